@@ -76,7 +76,7 @@ conformance: $(STAMP)
 	$(PY) -m pytest -q tests/conformance --engine-address $(ADDR)
 
 run: $(STAMP)
-	$(PY) -m scripts.run_demo
+	$(PY) scripts/run_demo.py
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .pytest_cache .ruff_cache

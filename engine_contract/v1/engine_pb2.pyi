@@ -64,7 +64,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, client_revision: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("contract_revision", "minimum_client_revision", "instance_id", "model_name", "model_path", "engine_config", "eos_token_ids", "vocab_size", "generation_defaults", "backend_name", "backend_version", "limits", "start_time_unix_nanos")
+    __slots__ = ("contract_revision", "minimum_client_revision", "instance_id", "model_name", "model_path", "engine_config", "eos_token_ids", "vocab_size", "generation_defaults", "backend_name", "backend_version", "limits", "start_time_unix_nanos", "routed_experts_available")
     CONTRACT_REVISION_FIELD_NUMBER: _ClassVar[int]
     MINIMUM_CLIENT_REVISION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class GetServerInfoResponse(_message.Message):
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     START_TIME_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     contract_revision: int
     minimum_client_revision: int
     instance_id: str
@@ -91,7 +92,8 @@ class GetServerInfoResponse(_message.Message):
     backend_version: str
     limits: ServerLimits
     start_time_unix_nanos: int
-    def __init__(self, contract_revision: _Optional[int] = ..., minimum_client_revision: _Optional[int] = ..., instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., engine_config: _Optional[_Union[EngineConfig, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., backend_name: _Optional[str] = ..., backend_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., start_time_unix_nanos: _Optional[int] = ...) -> None: ...
+    routed_experts_available: bool
+    def __init__(self, contract_revision: _Optional[int] = ..., minimum_client_revision: _Optional[int] = ..., instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., engine_config: _Optional[_Union[EngineConfig, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., backend_name: _Optional[str] = ..., backend_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., start_time_unix_nanos: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ...) -> None: ...
 
 class EngineConfig(_message.Message):
     __slots__ = ("context_length", "kv_block_size", "total_kv_blocks", "max_running_sequences", "max_batched_tokens", "data_parallel_size")

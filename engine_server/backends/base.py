@@ -22,18 +22,6 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True)
-class GenerationDefaults:
-    """The launch-time generation config rollouts are sampled with."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 512
-    # Empty means "the model's EOS ids" (filled in by the backend's info()).
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
 class EngineInfo:
     """What the engine tells about itself once started."""
 
@@ -46,7 +34,6 @@ class EngineInfo:
     max_batched_tokens: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
-    defaults: GenerationDefaults
     backend_name: str
     backend_version: str
     data_parallel_size: int = 1

@@ -1,0 +1,22 @@
+"""``python -m bridge``: serve one engine server as a Dynamo worker until SIGTERM.
+
+Dynamo's Rust worker owns the signals: on SIGTERM/SIGINT it unregisters from
+discovery, waits its grace period, calls ``BridgeEngine.cleanup()`` and exits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dynamo.common.backend.run import run
+
+from bridge.engine import BridgeEngine
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(BridgeEngine, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""EngineClient: the bridge's one long-lived gRPC channel to one engine server.
+
+No Dynamo here. Request RPCs (Rollout, Generate) fail fast when the server is
+unreachable, so Dynamo can migrate the request at once; control RPCs carry
+deadlines; the start-up wait and the KV-event stream use ``wait_for_ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+import engine_contract
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine server did not become ready within the start-up wait."""
+
+
+class IncompatibleServerError(RuntimeError):
+    """The engine server speaks a contract revision this bridge cannot use."""
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    max_message_bytes: int = 64 * MIB
+    # Pings find a dead peer during a long unary Rollout that sends nothing; the
+    # engine server allows pings every 10 s, also without calls.
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    # Reconnect quickly after an engine-server restart (gRPC's default cap is 120 s).
+    max_reconnect_backoff_s: float = 5.0
+    control_timeout_s: float = 10.0
+    abort_timeout_s: float = 5.0
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff_s * 1000)),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            # The bridge decides itself what to retry.
+            ("grpc.enable_retries", 0),
+        ]
+
+
+def check_compatible(info: pb.GetServerInfoResponse, address: str) -> None:
+    """Fail closed outside the revisions both sides accept."""
+    if info.contract_revision < engine_contract.MINIMUM_SERVER_REVISION:
+        raise IncompatibleServerError(
+            f"engine server at {address} implements contract revision "
+            f"{info.contract_revision}, but this bridge needs at least revision "
+            f"{engine_contract.MINIMUM_SERVER_REVISION}: upgrade the engine server"
+        )
+    if engine_contract.CONTRACT_REVISION < info.minimum_client_revision:
+        raise IncompatibleServerError(
+            f"engine server at {address} accepts clients from contract revision "
+            f"{info.minimum_client_revision}, but this bridge implements revision "
+            f"{engine_contract.CONTRACT_REVISION}: upgrade the bridge"
+        )
+
+
+class EngineClient:
+    """Typed calls on one channel. ``close()`` is idempotent."""
+
+    def __init__(self, address: str, options: ClientOptions | None = None) -> None:
+        self.address = address
+        self.options = options or ClientOptions()
+        self._channel: grpc.aio.Channel | None = grpc.aio.insecure_channel(
+            address, options=self.options.channel_options()
+        )
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+
+    async def wait_ready(self, timeout_s: float) -> pb.GetServerInfoResponse:
+        """Wait for GetServerInfo to succeed (UNAVAILABLE until the engine is up), then
+        check the contract revision. Raises EngineNotReadyError or IncompatibleServerError."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.1
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineNotReadyError(
+                    f"engine server at {self.address} not ready after {timeout_s:.0f}s ({last})"
+                )
+            try:
+                info = await self._stub.GetServerInfo(
+                    pb.GetServerInfoRequest(client_revision=engine_contract.CONTRACT_REVISION),
+                    timeout=min(remaining, self.options.control_timeout_s),
+                    wait_for_ready=True,
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise IncompatibleServerError(
+                        f"engine server at {self.address} refused this bridge "
+                        f"(contract revision {engine_contract.CONTRACT_REVISION}): {e.details()}"
+                    ) from e
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last = f"{e.code().name}: {e.details()}"
+                log.debug("engine server at %s not ready yet: %s", self.address, last)
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 2.0)
+                continue
+            check_compatible(info, self.address)
+            return info
+
+    async def server_info(self) -> pb.GetServerInfoResponse:
+        return await self._stub.GetServerInfo(
+            pb.GetServerInfoRequest(client_revision=engine_contract.CONTRACT_REVISION),
+            timeout=self.options.control_timeout_s,
+        )
+
+    def rollout(self, request: pb.RolloutRequest) -> grpc.aio.UnaryUnaryCall:
+        """The call object, so that an abort can cancel it; await it for the answer."""
+        return self._stub.Rollout(request, wait_for_ready=False)
+
+    def generate(self, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
+        return self._stub.Generate(request, wait_for_ready=False)
+
+    async def abort(self, request_id: str, instance_id: str = "") -> pb.AbortResponse:
+        return await self._stub.Abort(
+            pb.AbortRequest(request_id=request_id, instance_id=instance_id),
+            timeout=self.options.abort_timeout_s,
+        )
+
+    def subscribe_kv_events(self, request: pb.SubscribeKvEventsRequest) -> grpc.aio.UnaryStreamCall:
+        return self._stub.SubscribeKvEvents(request, wait_for_ready=True)
+
+    async def get_load(self) -> pb.GetLoadResponse:
+        return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.options.control_timeout_s)
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close(grace=None)

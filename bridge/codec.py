@@ -1,0 +1,411 @@
+"""Dynamo request/chunk dicts <-> engine-contract messages. Pure: no I/O, no Dynamo.
+
+Request kinds are chosen by annotation (``nvext.annotations`` reach the engine
+verbatim). An annotation ``<kind>:<JSON object>`` names a bridge request kind;
+the known kind is ``rollout``. Annotations Dynamo itself uses
+(``request_id:...``, ``query_instance_id:``, ...) never carry a JSON object and
+pass untouched. A request without a kind annotation is an ordinary completion.
+
+Errors the client caused raise ``RequestError`` (a ValueError); the engine glue
+turns it into Dynamo's ``InvalidArgument`` (HTTP 400 with the message).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bridge import wire
+from engine_contract.v1 import engine_pb2 as pb
+
+ROLLOUT_KIND = "rollout"
+KNOWN_KINDS = (ROLLOUT_KIND,)
+_ROLLOUT_KEYS = frozenset({"greedy", "stop_strings", "request_id"})
+
+# Dynamo's finish reasons ("cancelled" is what Dynamo calls an abort).
+_FINISH_REASONS: dict[int, str] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORTED: "cancelled",
+    pb.FINISH_REASON_ERROR: "error",
+}
+# The engine's own names, as the rollout wire form carries them.
+_WIRE_FINISH_REASONS: dict[int, str] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORTED: "aborted",
+    pb.FINISH_REASON_ERROR: "error",
+}
+_DTYPES: dict[int, str] = {
+    pb.TENSOR_DTYPE_UINT8: "uint8",
+    pb.TENSOR_DTYPE_INT8: "int8",
+    pb.TENSOR_DTYPE_UINT16: "uint16",
+    pb.TENSOR_DTYPE_INT16: "int16",
+    pb.TENSOR_DTYPE_INT32: "int32",
+    pb.TENSOR_DTYPE_INT64: "int64",
+}
+
+
+class RequestError(ValueError):
+    """The request is malformed or asks for something the engine contract cannot do."""
+
+
+class ProtocolError(RuntimeError):
+    """The engine server broke the contract (misaligned lists, unknown dtype)."""
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The JSON after ``rollout:``; every key optional, no others allowed."""
+
+    greedy: bool = False
+    stop_strings: tuple[str, ...] = ()
+    request_id: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# Request kinds
+
+
+def parse_request_kind(annotations: Sequence[Any] | None) -> RolloutSpec | None:
+    """The rollout spec when the request is a rollout, None for an ordinary completion."""
+    found: RolloutSpec | None = None
+    for annotation in annotations or ():
+        if not isinstance(annotation, str):
+            continue
+        kind, sep, value = annotation.partition(":")
+        if kind == ROLLOUT_KIND:
+            if found is not None:
+                raise RequestError("more than one 'rollout:' annotation")
+            if not sep:
+                raise RequestError("the 'rollout' annotation needs a JSON spec: rollout:{...}")
+            found = parse_rollout_spec(value)
+        elif sep and value.lstrip().startswith("{"):
+            raise RequestError(
+                f"unknown request kind {kind!r} in annotation {annotation[:80]!r}; "
+                f"known kinds: {', '.join(KNOWN_KINDS)}"
+            )
+    return found
+
+
+def parse_rollout_spec(text: str) -> RolloutSpec:
+    """Parse and validate the JSON after ``rollout:``; wrong keys and types are errors."""
+    if not text.strip():
+        return RolloutSpec()
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"rollout spec is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise RequestError(f"rollout spec must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _ROLLOUT_KEYS)
+    if unknown:
+        raise RequestError(
+            f"rollout spec has unknown keys {unknown}; allowed: {sorted(_ROLLOUT_KEYS)}"
+        )
+    greedy = obj.get("greedy", False)
+    if not isinstance(greedy, bool):
+        raise RequestError(f"rollout spec 'greedy' must be a boolean, got {greedy!r}")
+    stops = obj.get("stop_strings", [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("rollout spec 'stop_strings' must be a list of non-empty strings")
+    request_id = obj.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise RequestError("rollout spec 'request_id' must be a non-empty string")
+    return RolloutSpec(greedy=greedy, stop_strings=tuple(stops), request_id=request_id)
+
+
+# ---------------------------------------------------------------------------
+# Rollout
+
+
+def build_rollout_request(
+    request_id: str, request: Mapping[str, Any], spec: RolloutSpec
+) -> pb.RolloutRequest:
+    """Sampling comes from the engine's generation defaults; only max_tokens is taken
+    from the HTTP request (stop_conditions.max_tokens -> max_new_tokens) when given."""
+    msg = pb.RolloutRequest(
+        request_id=request_id,
+        prompt_token_ids=_token_ids(request),
+        greedy=spec.greedy,
+        stop_strings=list(spec.stop_strings),
+    )
+    max_tokens = (request.get("stop_conditions") or {}).get("max_tokens")
+    if max_tokens is not None:
+        msg.max_new_tokens = _int(max_tokens, "max_tokens", minimum=0)
+    return msg
+
+
+def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
+    """The whole rollout result as the JSON object the driver reassembles."""
+    if len(resp.logprobs) != len(resp.token_ids):
+        raise ProtocolError(
+            f"rollout {resp.request_id}: {len(resp.logprobs)} logprobs for "
+            f"{len(resp.token_ids)} tokens"
+        )
+    out: dict[str, Any] = {
+        "version": wire.WIRE_VERSION,
+        "request_id": resp.request_id,
+        "instance_id": resp.instance_id,
+        "token_ids": list(resp.token_ids),
+        "logprobs": wire.finite_logprobs(resp.logprobs),
+        "truncated": resp.truncated,
+        "finish_reason": _WIRE_FINISH_REASONS.get(resp.finish_reason, "error"),
+        "stop_reason": stop_reason(resp.matched_stop),
+        "usage": {
+            "prompt_tokens": resp.usage.prompt_tokens,
+            "completion_tokens": resp.usage.completion_tokens,
+            "cached_prompt_tokens": resp.usage.cached_prompt_tokens,
+        },
+        "routed_experts": None,
+        "r3_stats": None,
+    }
+    if resp.HasField("routed_experts"):
+        out["routed_experts"] = routed_experts_wire(resp.routed_experts)
+    if resp.HasField("r3_stats"):
+        out["r3_stats"] = {k: getattr(resp.r3_stats, k) for k in wire.R3_KEYS}
+    return out
+
+
+def rollout_chunk(resp: pb.RolloutResponse) -> dict[str, Any]:
+    """The rollout's one and only chunk.
+
+    ``token_ids`` is empty on purpose: the frontend's EOS and stop-string handling
+    (it hides EOS, cuts at stop strings and then aborts the engine) works on the
+    chunk's tokens, and a rollout must come back exactly as the engine made it.
+    The result travels whole in ``engine_data``; usage still counts the tokens.
+    """
+    chunk: dict[str, Any] = {
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": _FINISH_REASONS.get(resp.finish_reason, "error"),
+        "completion_usage": completion_usage(resp.usage),
+        "engine_data": {wire.WIRE_KEY: rollout_wire(resp)},
+    }
+    reason = stop_reason(resp.matched_stop)
+    if reason is not None:
+        chunk["stop_reason"] = reason
+    return chunk
+
+
+def routed_experts_wire(msg: pb.RoutedExperts) -> dict[str, Any]:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise ProtocolError(f"routed experts with unknown dtype {msg.dtype}")
+    try:
+        return wire.encode_routed_experts(msg.data, dtype, list(msg.shape))
+    except wire.WireError as e:
+        raise ProtocolError(str(e)) from e
+
+
+# ---------------------------------------------------------------------------
+# Ordinary completion
+
+
+def build_generate_request(request_id: str, request: Mapping[str, Any]) -> pb.GenerateRequest:
+    """Map Dynamo's sampling options, stop conditions and output options one to one.
+
+    Proto3 ``optional`` presence mirrors what the user set: a None (or missing)
+    option stays absent and the engine applies its neutral default. Floats arrive
+    float32-rounded from the frontend and the proto fields are float32, so the
+    user's value survives exactly. Features the contract cannot carry are refused
+    rather than silently dropped.
+    """
+    sampling_in = request.get("sampling_options") or {}
+    stop_in = request.get("stop_conditions") or {}
+    output_in = request.get("output_options") or {}
+    _refuse_unsupported(sampling_in, stop_in, output_in)
+
+    sampling = pb.SamplingParams()
+    for key in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = sampling_in.get(key)
+        if value is not None:
+            setattr(sampling, key, _float(value, key))
+    if sampling_in.get("top_k") is not None:
+        sampling.top_k = _int(sampling_in["top_k"], "top_k")
+    if sampling_in.get("seed") is not None:
+        sampling.seed = _int(sampling_in["seed"], "seed", bits=64)
+
+    stop = pb.StopConditions()
+    if stop_in.get("max_tokens") is not None:
+        stop.max_tokens = _int(stop_in["max_tokens"], "max_tokens", minimum=0)
+    if stop_in.get("min_tokens") is not None:
+        stop.min_tokens = _int(stop_in["min_tokens"], "min_tokens", minimum=0)
+    stop_strings = stop_in.get("stop") or []
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    stop.stop_strings.extend(stop_strings)
+    ignore_eos = stop_in.get("ignore_eos")
+    if ignore_eos is not None:
+        stop.ignore_eos = bool(ignore_eos)
+    stop.stop_token_ids.extend(_stop_token_ids(request, stop_in, ignore_eos=bool(ignore_eos)))
+    if sampling_in.get("include_stop_str_in_output") is not None:
+        stop.include_stop_str_in_output = bool(sampling_in["include_stop_str_in_output"])
+
+    output = pb.OutputOptions()
+    if output_in.get("logprobs") is not None:
+        output.logprobs = _int(output_in["logprobs"], "logprobs", minimum=0)
+
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=_token_ids(request),
+        sampling=sampling,
+        stop=stop,
+        output=output,
+    )
+
+
+def _stop_token_ids(
+    request: Mapping[str, Any], stop_in: Mapping[str, Any], *, ignore_eos: bool
+) -> list[int]:
+    """Every stop token Dynamo names, in order, without repeats.
+
+    Dynamo splits them into user stop ids (``stop_token_ids``, also listed as
+    ``stop_token_ids_visible``) and hidden ones (the model's EOS, which the
+    frontend drops from the text); the engine must stop on all of them. With
+    ``ignore_eos`` Dynamo already leaves the EOS out of the hidden list.
+    """
+    ids: list[int] = []
+    sources = [
+        stop_in.get("stop_token_ids"),
+        stop_in.get("stop_token_ids_visible"),
+        stop_in.get("stop_token_ids_hidden"),
+    ]
+    if not ignore_eos:
+        sources.append(request.get("eos_token_ids"))
+    for source in sources:
+        for token in source or ():
+            token = _int(token, "stop_token_ids", minimum=0)
+            if token not in ids:
+                ids.append(token)
+    return ids
+
+
+def _refuse_unsupported(
+    sampling: Mapping[str, Any], stop: Mapping[str, Any], output: Mapping[str, Any]
+) -> None:
+    if (sampling.get("n") or 1) != 1:
+        raise RequestError("n > 1 is not supported by this engine; send n separate requests")
+    if (sampling.get("best_of") or 1) != 1:
+        raise RequestError("best_of is not supported by this engine")
+    if sampling.get("use_beam_search"):
+        raise RequestError("beam search is not supported by this engine")
+    if sampling.get("guided_decoding") is not None:
+        raise RequestError("guided decoding is not supported by this engine")
+    if stop.get("max_thinking_tokens") is not None:
+        raise RequestError("max_thinking_tokens is not supported by this engine")
+    if output.get("prompt_logprobs") is not None:
+        raise RequestError("prompt_logprobs is not supported by this engine")
+
+
+def generate_chunk(resp: pb.GenerateResponse) -> dict[str, Any]:
+    """One Generate delta as a Dynamo chunk; the last one adds finish reason and usage."""
+    token_ids = list(resp.token_ids)
+    chunk: dict[str, Any] = {"token_ids": token_ids, "index": 0}
+    if resp.logprobs:
+        if len(resp.logprobs) != len(token_ids):
+            raise ProtocolError(f"{len(resp.logprobs)} logprobs for {len(token_ids)} tokens")
+        chunk["log_probs"] = wire.finite_logprobs(resp.logprobs)
+    if resp.top_logprobs:
+        if len(resp.top_logprobs) != len(token_ids):
+            raise ProtocolError(
+                f"{len(resp.top_logprobs)} top-logprob lists for {len(token_ids)} tokens"
+            )
+        chunk["top_logprobs"] = [_top_logprobs(t) for t in resp.top_logprobs]
+    if resp.HasField("finished"):
+        fin = resp.finished
+        chunk["finish_reason"] = _FINISH_REASONS.get(fin.finish_reason, "error")
+        chunk["completion_usage"] = completion_usage(fin.usage)
+        reason = stop_reason(fin.matched_stop)
+        if reason is not None:
+            chunk["stop_reason"] = reason
+        if fin.HasField("routed_experts"):
+            chunk["engine_data"] = {"routed_experts": routed_experts_wire(fin.routed_experts)}
+    return chunk
+
+
+def _top_logprobs(msg: pb.TopLogprobs) -> list[dict[str, Any]]:
+    if len(msg.token_ids) != len(msg.logprobs):
+        raise ProtocolError(
+            f"top logprobs: {len(msg.logprobs)} values for {len(msg.token_ids)} tokens"
+        )
+    return [
+        {"rank": rank, "token_id": token, "token": None, "logprob": wire.finite_logprob(lp)}
+        for rank, (token, lp) in enumerate(zip(msg.token_ids, msg.logprobs, strict=True), 1)
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Shared pieces
+
+
+def completion_usage(usage: pb.Usage) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+    if usage.cached_prompt_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_prompt_tokens}
+    return out
+
+
+def stop_reason(match: pb.StopMatch) -> int | str | None:
+    """The stop token id or stop string that ended the request, if any."""
+    which = match.WhichOneof("match")
+    return None if which is None else getattr(match, which)
+
+
+def cancelled_chunk(prompt_tokens: int, completion_tokens: int = 0) -> dict[str, Any]:
+    """The terminal chunk of a request aborted by Dynamo (client gone, stop string hit)."""
+    return {
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": "cancelled",
+        "completion_usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _token_ids(request: Mapping[str, Any]) -> list[int]:
+    ids = request.get("token_ids")
+    if not ids:
+        raise RequestError("the request has no prompt token ids")
+    return list(ids)
+
+
+def _int(value: Any, name: str, *, minimum: int | None = None, bits: int = 32) -> int:
+    """An integer that fits the proto field (int32 unless said otherwise)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or int(value) != value
+    ):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if minimum is not None and value < minimum:
+        raise RequestError(f"{name} must be >= {minimum}, got {value}")
+    if not low <= value <= high:
+        raise RequestError(f"{name} is out of range: {value}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)

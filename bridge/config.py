@@ -1,0 +1,188 @@
+"""The bridge CLI -> BridgeConfig (ours) + WorkerConfig (Dynamo's).
+
+Dynamo's runtime options come from Dynamo's own ``DynamoRuntimeArgGroup``, so
+the flags and environment variables are exactly those of Dynamo's programs
+(``--discovery-backend``/``DYN_DISCOVERY_BACKEND`` with every backend Dynamo
+has, ``--request-plane``/``DYN_REQUEST_PLANE``, ``--event-plane``/
+``DYN_EVENT_PLANE``, ``--namespace``/``DYN_NAMESPACE``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dynamo.common.backend.worker import WorkerConfig
+from dynamo.common.configuration.groups.runtime_args import (
+    DynamoRuntimeArgGroup,
+    DynamoRuntimeConfig,
+)
+from dynamo.common.configuration.utils import add_argument
+from dynamo.common.utils.runtime import parse_endpoint
+from dynamo.llm import ModelInput
+
+from bridge.client import MIB, ClientOptions
+
+DEFAULT_COMPONENT = "backend"
+DEFAULT_ENDPOINT = "generate"
+# Files the Dynamo frontend reads from the model directory.
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    engine_address: str
+    model_path: str
+    served_model_name: str | None = None
+    # How long start() waits for the engine server (a vLLM start can take minutes).
+    connect_timeout_s: float = 600.0
+    client: ClientOptions = field(default_factory=ClientOptions)
+    log_level: str = "INFO"
+    kv_events: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.engine_address:
+            raise ValueError("an engine server address is required (--engine HOST:PORT)")
+        if self.connect_timeout_s <= 0:
+            raise ValueError(f"connect timeout must be > 0, got {self.connect_timeout_s}")
+        if self.client.max_message_bytes <= 0:
+            raise ValueError("max message size must be > 0")
+
+
+class _Config(DynamoRuntimeConfig):
+    """Dynamo's runtime fields plus ours (what argparse fills in)."""
+
+    component: str
+    engine: str
+    model_path: str
+    served_model_name: str | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bridge",
+        description=(
+            "Serve a remote engine server (engine_contract.v1 over gRPC) as a Dynamo "
+            "LLM worker. Rollouts are /v1/completions requests with a 'rollout:{...}' "
+            "annotation in nvext.annotations; everything else is an ordinary completion."
+        ),
+        allow_abbrev=False,
+    )
+    g = parser.add_argument_group("Bridge options")
+    add_argument(
+        g,
+        flag_name="--engine",
+        env_var="BRIDGE_ENGINE_ADDRESS",
+        default=None,
+        help="Engine server address, HOST:PORT or unix:PATH.",
+    )
+    add_argument(
+        g,
+        flag_name="--model-path",
+        env_var="BRIDGE_MODEL_PATH",
+        default=None,
+        help="Local model directory the frontend reads the tokenizer and config "
+        "from (config.json, tokenizer.json, tokenizer_config.json).",
+    )
+    add_argument(
+        g,
+        flag_name="--served-model-name",
+        env_var="BRIDGE_SERVED_MODEL_NAME",
+        default=None,
+        help="Name to serve the model under (default: the engine server's model name).",
+    )
+    add_argument(
+        g,
+        flag_name="--connect-timeout",
+        env_var="BRIDGE_CONNECT_TIMEOUT_S",
+        default=600.0,
+        arg_type=float,
+        help="Seconds to wait at start for the engine server to be ready.",
+    )
+    add_argument(
+        g,
+        flag_name="--control-timeout",
+        env_var="BRIDGE_CONTROL_TIMEOUT_S",
+        default=10.0,
+        arg_type=float,
+        help="Deadline of control RPCs, seconds.",
+    )
+    add_argument(
+        g,
+        flag_name="--abort-timeout",
+        env_var="BRIDGE_ABORT_TIMEOUT_S",
+        default=5.0,
+        arg_type=float,
+        help="Deadline of Abort RPCs, seconds.",
+    )
+    add_argument(
+        g,
+        flag_name="--max-message-mib",
+        env_var="BRIDGE_MAX_MESSAGE_MIB",
+        default=64,
+        arg_type=int,
+        help="Largest gRPC message sent or received, MiB.",
+    )
+    add_argument(
+        g,
+        flag_name="--log-level",
+        env_var="BRIDGE_LOG_LEVEL",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="Level of the bridge's own logger (Dynamo's follow DYN_LOG).",
+    )
+    g.add_argument(
+        "--component",
+        default=DEFAULT_COMPONENT,
+        help="Dynamo component name when --endpoint is not given.",
+    )
+    g.add_argument(
+        "--disable-kv-events",
+        action="store_true",
+        help="Do not relay the engine's KV events (no KV-aware routing).",
+    )
+    DynamoRuntimeArgGroup().add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.engine:
+        parser.error("--engine is required (or BRIDGE_ENGINE_ADDRESS)")
+    if not args.model_path:
+        parser.error("--model-path is required (or BRIDGE_MODEL_PATH)")
+    model_path = Path(args.model_path).expanduser()
+    missing = [name for name in MODEL_FILES if not (model_path / name).is_file()]
+    if missing:
+        parser.error(f"--model-path {model_path} lacks {', '.join(missing)}")
+
+    runtime = _Config.from_cli_args(args)
+    runtime.validate()
+    endpoint = args.endpoint or f"dyn://{runtime.namespace}.{args.component}.{DEFAULT_ENDPOINT}"
+    runtime.namespace, runtime.component, runtime.endpoint = parse_endpoint(endpoint)
+
+    bridge = BridgeConfig(
+        engine_address=args.engine,
+        model_path=os.fspath(model_path),
+        served_model_name=args.served_model_name,
+        connect_timeout_s=args.connect_timeout,
+        client=ClientOptions(
+            max_message_bytes=args.max_message_mib * MIB,
+            control_timeout_s=args.control_timeout,
+            abort_timeout_s=args.abort_timeout,
+        ),
+        log_level=args.log_level.upper(),
+        kv_events=not args.disable_kv_events,
+    )
+    worker = WorkerConfig.from_runtime_config(
+        runtime,
+        model_name=bridge.model_path,
+        served_model_name=bridge.served_model_name,
+        model_input=ModelInput.Tokens,
+        enable_kv_routing=bridge.kv_events,
+    )
+    return bridge, worker

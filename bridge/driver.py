@@ -1,0 +1,242 @@
+"""Driver-side client: send a rollout to the Dynamo frontend, get the exact result back.
+
+Needs only aiohttp (no Dynamo, no torch): it runs in the RL driver. The request
+is an ordinary ``POST /v1/completions`` with the prompt as token ids, the
+``rollout:{...}`` annotation and ``nvext.extra_fields: ["engine_data"]``; the
+result is rebuilt from ``nvext.engine_data`` alone, never from the choice's
+text or logprobs (which the frontend may post-process).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from bridge import wire
+from bridge.wire import WireError
+
+__all__ = [
+    "RolloutClient",
+    "RolloutHTTPError",
+    "RolloutResult",
+    "RoutedExperts",
+    "WireError",
+    "build_rollout_body",
+    "parse_rollout_response",
+    "rollout_annotation",
+]
+
+
+class RolloutHTTPError(RuntimeError):
+    """The frontend answered with a non-2xx status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """Router choices, [positions, moe_layers, top_k], as raw little-endian bytes."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_numpy(self) -> Any:
+        """As a numpy array of its own dtype (numpy is imported only here)."""
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(
+            self.shape
+        )
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One rollout exactly as the engine produced it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+    finish_reason: str  # "stop", "length", "aborted" or "error"
+    stop_reason: int | str | None = None
+    routed_experts: RoutedExperts | None = None
+    r3_stats: dict[str, int] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    request_id: str = ""
+    instance_id: str = ""
+    # The frontend's nvext.worker_id, when asked for.
+    worker_id: Any = None
+
+
+def rollout_annotation(
+    *, greedy: bool = False, stop_strings: Sequence[str] = (), request_id: str | None = None
+) -> str:
+    spec: dict[str, Any] = {"greedy": greedy}
+    if stop_strings:
+        spec["stop_strings"] = list(stop_strings)
+    if request_id is not None:
+        spec["request_id"] = request_id
+    return "rollout:" + json.dumps(spec, separators=(",", ":"))
+
+
+def build_rollout_body(
+    model: str,
+    prompt_token_ids: Sequence[int],
+    *,
+    greedy: bool = False,
+    stop_strings: Sequence[str] = (),
+    max_tokens: int | None = None,
+    request_id: str | None = None,
+    worker_id: bool = False,
+) -> dict[str, Any]:
+    """The /v1/completions body; stop strings go in the annotation, never in ``stop``
+    (the frontend would cut the text and abort the engine on them)."""
+    extra_fields = ["engine_data"] + (["worker_id"] if worker_id else [])
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_token_ids),
+        "stream": False,
+        "nvext": {
+            "annotations": [
+                rollout_annotation(greedy=greedy, stop_strings=stop_strings, request_id=request_id)
+            ],
+            "extra_fields": extra_fields,
+        },
+    }
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
+    """Rebuild the result from ``nvext.engine_data``; raises WireError when malformed."""
+    nvext = body.get("nvext") or {}
+    engine_data = nvext.get("engine_data")
+    if not isinstance(engine_data, Mapping) or wire.WIRE_KEY not in engine_data:
+        raise WireError("the response has no nvext.engine_data.rollout (is the bridge serving?)")
+    obj = engine_data[wire.WIRE_KEY]
+    if not isinstance(obj, Mapping):
+        raise WireError("nvext.engine_data.rollout is not an object")
+    if obj.get("version") != wire.WIRE_VERSION:
+        raise WireError(
+            f"rollout wire version {obj.get('version')!r}, expected {wire.WIRE_VERSION}"
+        )
+    unknown = sorted(set(obj) - wire.WIRE_KEYS)
+    if unknown:
+        raise WireError(f"rollout wire object has unknown keys {unknown}")
+    try:
+        token_ids = [int(t) for t in obj["token_ids"]]
+        logprobs = [float(x) for x in obj["logprobs"]]
+        truncated = obj["truncated"]
+        finish_reason = obj["finish_reason"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError(f"malformed rollout wire object: {e!r}") from e
+    if len(logprobs) != len(token_ids):
+        raise WireError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+    if not isinstance(truncated, bool) or not isinstance(finish_reason, str):
+        raise WireError("rollout 'truncated' must be a boolean and 'finish_reason' a string")
+    experts = None
+    if obj.get("routed_experts") is not None:
+        experts = RoutedExperts(*wire.decode_routed_experts(obj["routed_experts"]))
+    r3 = obj.get("r3_stats")
+    return RolloutResult(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        truncated=truncated,
+        finish_reason=finish_reason,
+        stop_reason=obj.get("stop_reason"),
+        routed_experts=experts,
+        r3_stats={k: int(r3[k]) for k in wire.R3_KEYS} if r3 is not None else None,
+        usage={k: int(v) for k, v in (obj.get("usage") or {}).items()},
+        request_id=str(obj.get("request_id", "")),
+        instance_id=str(obj.get("instance_id", "")),
+        worker_id=nvext.get("worker_id"),
+    )
+
+
+def error_message(status: int, text: str) -> str:
+    """The frontend's error message out of its JSON error body (or the raw text)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip() or f"HTTP {status}"
+    if isinstance(body, Mapping):
+        err = body.get("error", body)
+        if isinstance(err, Mapping) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return text.strip()
+
+
+class RolloutClient:
+    """Rollouts through a Dynamo frontend. One aiohttp session, reused; ``close()`` it."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        timeout_s: float = 900.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._owns_session = session is None
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def rollout(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        greedy: bool = False,
+        stop_strings: Sequence[str] = (),
+        max_tokens: int | None = None,
+        request_id: str | None = None,
+        worker_id: bool = False,
+    ) -> RolloutResult:
+        body = build_rollout_body(
+            self.model,
+            prompt_token_ids,
+            greedy=greedy,
+            stop_strings=stop_strings,
+            max_tokens=max_tokens,
+            request_id=request_id,
+            worker_id=worker_id,
+        )
+        session = self._get_session()
+        async with session.post(f"{self.base_url}/v1/completions", json=body) as resp:
+            text = await resp.text()
+            if not 200 <= resp.status < 300:
+                raise RolloutHTTPError(resp.status, error_message(resp.status, text))
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise WireError(f"the frontend's answer is not JSON: {text[:200]!r}") from e
+        return parse_rollout_response(data)
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and self._owns_session:
+            await session.close()

@@ -1,0 +1,81 @@
+"""The one place engine-server failures become Dynamo's exception types.
+
+Dynamo turns ``InvalidArgument`` into HTTP 400 with our message, and migrates a
+request to another worker (frontend ``--migration-limit`` > 0) only on
+``Disconnected``, ``CannotConnect``, ``ConnectionTimeout`` and
+``EngineShutdown``. So a lost engine server (UNAVAILABLE: refused, reset,
+stream broken, draining) must land on one of those, never on a hang or a 500.
+"""
+
+from __future__ import annotations
+
+import grpc
+from dynamo.llm.exceptions import (
+    Cancelled,
+    ConnectionTimeout,
+    Disconnected,
+    DynamoException,
+    EngineShutdown,
+    InvalidArgument,
+    Unknown,
+)
+
+from bridge.codec import ProtocolError, RequestError
+
+# Every gRPC status code, so a code nobody expected still has a considered answer
+# (tests/bridge/test_errors.py checks completeness).
+STATUS_TO_DYNAMO: dict[grpc.StatusCode, type[DynamoException]] = {
+    # Never raised with OK; listed for completeness.
+    grpc.StatusCode.OK: Unknown,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNKNOWN: Unknown,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    # The client's deadline passed; the engine aborted the request. Retryable.
+    grpc.StatusCode.DEADLINE_EXCEEDED: ConnectionTimeout,
+    grpc.StatusCode.NOT_FOUND: InvalidArgument,
+    # A request with this id is still running: the client reused an id.
+    grpc.StatusCode.ALREADY_EXISTS: InvalidArgument,
+    grpc.StatusCode.PERMISSION_DENIED: Unknown,
+    # Over the message size limit: the request is too big, not the server broken.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
+    # The server refuses this bridge's contract revision (checked at start too).
+    grpc.StatusCode.FAILED_PRECONDITION: EngineShutdown,
+    grpc.StatusCode.ABORTED: Cancelled,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
+    grpc.StatusCode.UNIMPLEMENTED: Unknown,
+    # The engine failed on this request; not retryable.
+    grpc.StatusCode.INTERNAL: Unknown,
+    # Not ready, draining, died, connection refused or reset: migratable.
+    grpc.StatusCode.UNAVAILABLE: Disconnected,
+    grpc.StatusCode.DATA_LOSS: Unknown,
+    grpc.StatusCode.UNAUTHENTICATED: Unknown,
+}
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError) -> DynamoException:
+    """The Dynamo exception for a failed RPC; the engine's message is kept."""
+    code = err.code()
+    kind = STATUS_TO_DYNAMO.get(code, Unknown)
+    details = err.details() or ""
+    if kind is InvalidArgument:
+        # Shown to the HTTP client as is: the engine's message names the field.
+        return InvalidArgument(details or code.name)
+    return kind(f"engine server: {code.name}: {details}".rstrip(": "))
+
+
+def to_dynamo(exc: BaseException) -> DynamoException:
+    """Any failure on the way to the engine server as a Dynamo exception."""
+    if isinstance(exc, DynamoException):
+        return exc
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return from_rpc_error(exc)
+    if isinstance(exc, RequestError):
+        return InvalidArgument(str(exc))
+    if isinstance(exc, ProtocolError):
+        return Unknown(f"engine server broke the contract: {exc}")
+    if isinstance(exc, grpc.aio.UsageError):
+        # The channel is closed: the bridge is shutting down.
+        return EngineShutdown(f"bridge is shutting down: {exc}")
+    if isinstance(exc, ConnectionError):
+        return Disconnected(f"engine server connection lost: {exc}")
+    return Unknown(f"{type(exc).__name__}: {exc}")

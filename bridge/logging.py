@@ -1,0 +1,31 @@
+"""The bridge's own logging, which survives Dynamo's takeover of the root logger.
+
+``Worker.run()`` calls ``configure_dynamo_logging()``: it removes every root
+handler, sets the root level from ``DYN_LOG`` and forwards root records to Rust
+tracing. The bridge therefore never relies on the root logger: the ``bridge``
+logger gets its own stderr handler and level and does not propagate, so its
+records and level are untouched by whatever Dynamo (or a host) does to root.
+Dynamo's own Python records still go where Dynamo sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "bridge"
+_HANDLER_NAME = "bridge-stderr"
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_bridge_logging(level: str | int = "INFO") -> logging.Logger:
+    """Give the ``bridge`` logger a stderr handler and level of its own (idempotent)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(level.upper() if isinstance(level, str) else level)
+    logger.propagate = False
+    if not any(h.get_name() == _HANDLER_NAME for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.set_name(_HANDLER_NAME)
+        handler.setFormatter(logging.Formatter(FORMAT))
+        logger.addHandler(handler)
+    return logger

@@ -1,0 +1,100 @@
+"""The rollout's JSON wire form: what the bridge puts in a chunk's ``engine_data``
+and the driver reads back from the frontend's ``nvext.engine_data``.
+
+Standard library only, so the bridge (Dynamo side) and the driver (RL side,
+without Dynamo) share one definition. The whole result sits under one key,
+``engine_data["rollout"]``: the frontend lifts a top-level
+``engine_data.routed_experts`` into ``nvext.routed_experts``, and nesting keeps
+the result in one piece whatever the frontend does with other keys.
+
+Floats: finite float64 values pass through JSON bit-exactly (Python writes the
+shortest round-trip repr; the frontend re-serialises with a round-trip
+formatter). JSON has no -inf or NaN, so every non-finite logprob becomes
+``LOGPROB_FLOOR`` (NeMo RL's HTTP floor), the one rule for the whole bridge.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+WIRE_KEY = "rollout"
+WIRE_VERSION = 1
+
+# What a non-finite logprob (-inf, +inf, NaN) becomes on the wire.
+LOGPROB_FLOOR = -9999.0
+
+# Element sizes of the routed-experts dtypes the contract allows (numpy names).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "uint8": 1,
+    "int8": 1,
+    "uint16": 2,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+}
+
+R3_KEYS = ("actual_routes", "expected_routes", "missing_routes", "surplus_routes")
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+
+# Every key of the wire object; the driver rejects anything else.
+WIRE_KEYS = frozenset(
+    {
+        "version",
+        "request_id",
+        "instance_id",
+        "token_ids",
+        "logprobs",
+        "truncated",
+        "finish_reason",
+        "stop_reason",
+        "usage",
+        "routed_experts",
+        "r3_stats",
+    }
+)
+
+
+class WireError(ValueError):
+    """The wire object is malformed (a bridge/driver version mismatch or a bug)."""
+
+
+def finite_logprob(value: float) -> float:
+    """Finite values unchanged (bit for bit); anything else the floor."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def finite_logprobs(values: Iterable[float]) -> list[float]:
+    return [v if math.isfinite(v) else LOGPROB_FLOOR for v in values]
+
+
+def encode_routed_experts(data: bytes, dtype: str, shape: Sequence[int]) -> dict[str, Any]:
+    """``{dtype, shape, data}`` with ``data`` the base64 of row-major little-endian bytes."""
+    check_routed_experts(len(data), dtype, shape)
+    return {"dtype": dtype, "shape": list(shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+def decode_routed_experts(obj: Mapping[str, Any]) -> tuple[bytes, str, tuple[int, ...]]:
+    """Inverse of ``encode_routed_experts``; checks the size against dtype and shape."""
+    try:
+        dtype = obj["dtype"]
+        shape = tuple(int(d) for d in obj["shape"])
+        data = base64.b64decode(obj["data"], validate=True)
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError(f"malformed routed_experts: {e}") from e
+    check_routed_experts(len(data), dtype, shape)
+    return data, dtype, shape
+
+
+def check_routed_experts(nbytes: int, dtype: str, shape: Sequence[int]) -> None:
+    if dtype not in DTYPE_ITEMSIZE:
+        raise WireError(f"routed_experts dtype {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+    if any(d < 0 for d in shape):
+        raise WireError(f"routed_experts shape {list(shape)} has a negative dimension")
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    if nbytes != expected:
+        raise WireError(
+            f"routed_experts holds {nbytes} bytes, shape {list(shape)} of {dtype} needs {expected}"
+        )

@@ -1,0 +1,231 @@
+"""Turns contract requests into engine work: validation, defaults, the rollout budget.
+
+Everything a backend runs is decided here, so every backend gets the same
+semantics. Errors name the offending field (INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server.backends.base import EngineInfo, SamplingSpec
+from engine_server.config import GenerationDefaults, Limits
+from engine_server.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request: what to run, or (max_tokens 0) that nothing runs."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    spec: SamplingSpec
+
+    @property
+    def generates_nothing(self) -> bool:
+        return self.spec.max_tokens == 0
+
+
+def resolve_defaults(defaults: GenerationDefaults, info: EngineInfo) -> GenerationDefaults:
+    """Fill the defaults' stop ids with the model's EOS ids when none were configured."""
+    if defaults.stop_token_ids:
+        return defaults
+    return GenerationDefaults(
+        temperature=defaults.temperature,
+        top_p=defaults.top_p,
+        top_k=defaults.top_k,
+        max_new_tokens=defaults.max_new_tokens,
+        stop_token_ids=tuple(info.eos_token_ids),
+    )
+
+
+def check_request_id(request_id: str, limits: Limits) -> None:
+    if not request_id:
+        raise InvalidRequest("request_id", "must not be empty")
+    if len(request_id) > limits.max_request_id_length:
+        raise InvalidRequest(
+            "request_id",
+            f"{len(request_id)} characters, more than the limit of "
+            f"{limits.max_request_id_length}",
+        )
+
+
+def check_prompt(prompt: Sequence[int], info: EngineInfo) -> None:
+    if not prompt:
+        raise InvalidRequest("prompt_token_ids", "must not be empty")
+    if len(prompt) > info.context_length:
+        raise InvalidRequest(
+            "prompt_token_ids",
+            f"{len(prompt)} tokens, longer than the context length {info.context_length}",
+        )
+    check_token_ids("prompt_token_ids", prompt, info)
+
+
+def check_token_ids(field: str, ids: Sequence[int], info: EngineInfo) -> None:
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= info.vocab_size:
+        bad_index, bad = next((i, t) for i, t in enumerate(ids) if t < 0 or t >= info.vocab_size)
+        raise InvalidRequest(
+            f"{field}[{bad_index}]",
+            f"token id {bad} is outside the vocabulary [0, {info.vocab_size})",
+        )
+
+
+def check_stop_strings(field: str, stop_strings: Sequence[str], limits: Limits) -> None:
+    if len(stop_strings) > limits.max_stop_strings:
+        raise InvalidRequest(
+            field, f"{len(stop_strings)} stop strings, more than the limit of "
+            f"{limits.max_stop_strings}"
+        )
+    for i, text in enumerate(stop_strings):
+        if not text:
+            raise InvalidRequest(f"{field}[{i}]", "stop strings must not be empty")
+        if len(text) > limits.max_stop_string_length:
+            raise InvalidRequest(
+                f"{field}[{i}]",
+                f"{len(text)} characters, more than the limit of {limits.max_stop_string_length}",
+            )
+
+
+def routed_experts_wanted(field: str, mode: int, info: EngineInfo) -> bool:
+    if mode == pb.ROUTED_EXPERTS_MODE_UNSPECIFIED:
+        return info.reports_routed_experts
+    if mode == pb.ROUTED_EXPERTS_MODE_OMIT:
+        return False
+    if mode == pb.ROUTED_EXPERTS_MODE_REQUIRE:
+        if not info.reports_routed_experts:
+            raise InvalidRequest(field, "required, but this engine does not report routed experts")
+        return True
+    raise InvalidRequest(field, f"unknown RoutedExpertsMode value {mode}")
+
+
+def plan_rollout(
+    request: pb.RolloutRequest, info: EngineInfo, defaults: GenerationDefaults, limits: Limits
+) -> Plan:
+    """NeMo RL's native rollout: sampling from the server's defaults, budget clamped."""
+    check_request_id(request.request_id, limits)
+    prompt = request.prompt_token_ids
+    check_prompt(prompt, info)
+    check_stop_strings("stop_strings", request.stop_strings, limits)
+    max_new = defaults.max_new_tokens
+    if request.HasField("max_new_tokens"):
+        max_new = request.max_new_tokens
+        if not 0 <= max_new <= info.context_length:
+            raise InvalidRequest(
+                "max_new_tokens", f"{max_new} is outside [0, {info.context_length}]"
+            )
+    budget = max(0, min(max_new, info.context_length - len(prompt)))
+    spec = SamplingSpec(
+        max_tokens=budget,
+        temperature=0.0 if request.greedy else defaults.temperature,
+        top_p=defaults.top_p,
+        top_k=1 if request.greedy else defaults.top_k,
+        stop_token_ids=tuple(defaults.stop_token_ids),
+        stop_strings=tuple(request.stop_strings),
+        include_stop_str_in_output=True,
+        logprobs=0,
+        return_routed_experts=routed_experts_wanted("routed_experts", request.routed_experts, info),
+    )
+    return Plan(request.request_id, prompt, spec)
+
+
+def _finite(field: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidRequest(field, f"{value} is not a finite number")
+    return value
+
+
+def plan_generate(request: pb.GenerateRequest, info: EngineInfo, limits: Limits) -> Plan:
+    """An ordinary completion: the request's own sampling, engine-neutral defaults."""
+    check_request_id(request.request_id, limits)
+    prompt = request.prompt_token_ids
+    check_prompt(prompt, info)
+    sampling, stop, output = request.sampling, request.stop, request.output
+    room = info.context_length - len(prompt)
+
+    temperature = 1.0
+    if sampling.HasField("temperature"):
+        temperature = _finite("sampling.temperature", sampling.temperature)
+        if temperature < 0:
+            raise InvalidRequest("sampling.temperature", f"{temperature} is negative")
+    top_p = 1.0
+    if sampling.HasField("top_p"):
+        top_p = _finite("sampling.top_p", sampling.top_p)
+        if not 0 < top_p <= 1:
+            raise InvalidRequest("sampling.top_p", f"{top_p} is outside (0, 1]")
+    top_k = -1
+    if sampling.HasField("top_k"):
+        top_k = sampling.top_k
+        if top_k < -1:
+            raise InvalidRequest("sampling.top_k", f"{top_k}: use -1 or 0 to disable, else >= 1")
+        top_k = -1 if top_k == 0 else top_k
+    min_p = 0.0
+    if sampling.HasField("min_p"):
+        min_p = _finite("sampling.min_p", sampling.min_p)
+        if not 0 <= min_p <= 1:
+            raise InvalidRequest("sampling.min_p", f"{min_p} is outside [0, 1]")
+    penalties: dict[str, float] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if sampling.HasField(name):
+            value = _finite(f"sampling.{name}", getattr(sampling, name))
+            if not -2 <= value <= 2:
+                raise InvalidRequest(f"sampling.{name}", f"{value} is outside [-2, 2]")
+            penalties[name] = value
+    if sampling.HasField("repetition_penalty"):
+        value = _finite("sampling.repetition_penalty", sampling.repetition_penalty)
+        if value <= 0:
+            raise InvalidRequest("sampling.repetition_penalty", f"{value} must be > 0")
+        penalties["repetition_penalty"] = value
+
+    max_tokens = room
+    if stop.HasField("max_tokens"):
+        max_tokens = stop.max_tokens
+        if max_tokens < 0:
+            raise InvalidRequest("stop.max_tokens", f"{max_tokens} is negative")
+        if max_tokens > room:
+            raise InvalidRequest(
+                "stop.max_tokens",
+                f"{max_tokens} tokens do not fit: the prompt leaves {room} of the context "
+                f"length {info.context_length}",
+            )
+    min_tokens = 0
+    if stop.HasField("min_tokens"):
+        min_tokens = stop.min_tokens
+        if not 0 <= min_tokens <= max_tokens:
+            raise InvalidRequest("stop.min_tokens", f"{min_tokens} is outside [0, {max_tokens}]")
+    check_stop_strings("stop.stop_strings", stop.stop_strings, limits)
+    check_token_ids("stop.stop_token_ids", stop.stop_token_ids, info)
+
+    logprobs: int | None = None
+    if output.HasField("logprobs"):
+        logprobs = output.logprobs
+        if not 0 <= logprobs <= limits.max_top_logprobs:
+            raise InvalidRequest(
+                "output.logprobs", f"{logprobs} is outside [0, {limits.max_top_logprobs}]"
+            )
+    spec = SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        presence_penalty=penalties.get("presence_penalty", 0.0),
+        frequency_penalty=penalties.get("frequency_penalty", 0.0),
+        repetition_penalty=penalties.get("repetition_penalty", 1.0),
+        min_tokens=min_tokens,
+        stop_token_ids=tuple(stop.stop_token_ids),
+        stop_strings=tuple(stop.stop_strings),
+        ignore_eos=stop.ignore_eos,
+        include_stop_str_in_output=stop.include_stop_str_in_output,
+        logprobs=logprobs,
+        return_routed_experts=routed_experts_wanted(
+            "output.routed_experts", output.routed_experts, info
+        ),
+    )
+    return Plan(request.request_id, prompt, spec)

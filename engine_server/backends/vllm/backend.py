@@ -1,0 +1,367 @@
+"""VllmBackend: the engine server's EngineBackend on a vLLM V1 ``AsyncLLM``.
+
+Two ways to get one:
+
+- ``VllmBackend(engine_args)`` / ``from_cli_args``: the backend creates the
+  engine in ``start()`` and shuts it down in ``shutdown()``.
+- ``VllmBackend.from_engine(async_llm)``: library form for a host (an RL
+  worker) that created its engine and keeps it. ``shutdown()`` then leaves the
+  engine running; KV events are relayed from the engine's own publisher.
+
+The engine is created in a worker thread (``from_engine_args`` blocks for the
+whole start-up, 15-25 s on small CPUs) so the server's event loop keeps
+answering health checks meanwhile; the same for ``AsyncLLM.shutdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import vllm
+from vllm.config import KVEventsConfig, VllmConfig
+from vllm.distributed.kv_events import ZmqEventPublisher
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import TokensPrompt
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+from vllm.v1.engine.exceptions import EngineGenerateError
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+from engine_server.backends import base
+from engine_server.backends.base import (
+    EngineBackend,
+    EngineInfo,
+    EngineLoad,
+    EngineOutput,
+    KvEventSink,
+    SamplingSpec,
+)
+from engine_server.backends.vllm import args as cli
+from engine_server.backends.vllm.kv_events import KvEventSubscriber
+from engine_server.backends.vllm.outputs import OutputConverter
+from engine_server.backends.vllm.sampling import to_sampling_params
+
+log = logging.getLogger(__name__)
+
+# vLLM errors that mean "this request's parameters", not "the engine".
+_REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError)
+
+
+@dataclasses.dataclass
+class _SchedulerView:
+    """Latest scheduler counters, fed by a stat logger (owned engines only)."""
+
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+def _stat_logger_factory(view: _SchedulerView) -> Any:
+    class _LoadStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: SchedulerStats | None,
+            iteration_stats: IterationStats | None,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                view.waiting = scheduler_stats.num_waiting_reqs
+                view.kv_usage = scheduler_stats.kv_cache_usage
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _LoadStatLogger
+
+
+class VllmBackend(EngineBackend):
+    """Runs requests on a vLLM ``AsyncLLM``; see the package docs for defaults."""
+
+    def __init__(self, engine_args: AsyncEngineArgs) -> None:
+        self._engine_args: AsyncEngineArgs | None = engine_args
+        self.defaults_applied = cli.apply_engine_defaults(engine_args)
+        self._engine: AsyncLLM | None = None
+        self._owns_engine = True
+        self._kv_endpoints: list[str] | None = None
+        self._kv: KvEventSubscriber | None = None
+        self._view = _SchedulerView()
+        self._info: EngineInfo | None = None
+        self._closed = False
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        cli.add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> VllmBackend:
+        return cls(cli.engine_args_from_namespace(args))
+
+    @classmethod
+    def from_engine(
+        cls, engine: AsyncLLM, *, kv_events_endpoint: str | Sequence[str] | None = None
+    ) -> VllmBackend:
+        """Serve an engine the host created and keeps (never shut down here).
+
+        ``kv_events_endpoint``: the publisher endpoint(s) to relay, one per DP
+        rank; by default those the engine reports (``get_kv_event_sources``),
+        else its configured ``kv_events_config``. No events when it has none.
+        """
+        self = cls.__new__(cls)
+        self._engine_args = None
+        self.defaults_applied = {}
+        self._engine = engine
+        self._owns_engine = False
+        if isinstance(kv_events_endpoint, str):
+            kv_events_endpoint = [kv_events_endpoint]
+        self._kv_endpoints = None if kv_events_endpoint is None else list(kv_events_endpoint)
+        self._kv = None
+        self._view = _SchedulerView()
+        self._info = None
+        self._closed = False
+        return self
+
+    @property
+    def engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise base.EngineDeadError("the vLLM engine is not started")
+        return self._engine
+
+    @property
+    def kv_subscriber(self) -> KvEventSubscriber | None:
+        return self._kv
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self, kv_event_sink: KvEventSink | None) -> EngineInfo:
+        if self._info is not None:
+            return self._info
+        loop = asyncio.get_running_loop()
+        if self._owns_engine:
+            await self._start_owned(kv_event_sink, loop)
+        elif kv_event_sink is not None:
+            self._start_relay(kv_event_sink, loop)
+        engine = self.engine
+        # Created off-loop, the engine has not started its output handler yet;
+        # start it now so that an engine failure is noticed before any request.
+        run_handler = getattr(engine, "_run_output_handler", None)
+        if run_handler is not None:
+            run_handler()
+        self._info = engine_info(engine)
+        return self._info
+
+    async def _start_owned(self, sink: KvEventSink | None, loop: asyncio.AbstractEventLoop) -> None:
+        ea = self._engine_args
+        assert ea is not None
+        dp = max(1, int(ea.data_parallel_size or 1))
+        if sink is not None:
+            kvc = ea.kv_events_config
+            if kvc is None:
+                self._kv = KvEventSubscriber(sink, loop, expect_from_zero=True)
+                port = self._kv.bind_loopback_ports(dp)
+                ea.kv_events_config = KVEventsConfig(
+                    enable_kv_cache_events=True,
+                    publisher="zmq",
+                    endpoint=f"tcp://127.0.0.1:{port}",
+                    replay_endpoint=None,
+                    topic="",
+                )
+            elif kvc.enable_kv_cache_events and kvc.publisher == "zmq":
+                self._kv = KvEventSubscriber(sink, loop, topic=kvc.topic, expect_from_zero=True)
+                if not kvc.endpoint.endswith(":0"):  # port 0: attach once resolved
+                    self._kv.attach(
+                        [ZmqEventPublisher.offset_endpoint_port(kvc.endpoint, r) for r in range(dp)]
+                    )
+            else:
+                log.warning("KV events are off in the given kv_events_config; none relayed")
+            if self._kv is not None:
+                self._kv.start()
+        try:
+            self._engine = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, ea, stat_loggers=[_stat_logger_factory(self._view)]
+            )
+        except BaseException:
+            if self._kv is not None:
+                await self._kv.stop(drain_s=0)
+                self._kv = None
+            raise
+        if self._kv is not None and not self._kv.endpoints:
+            self._kv.attach(_publisher_endpoints(self._engine))
+
+    def _start_relay(self, sink: KvEventSink, loop: asyncio.AbstractEventLoop) -> None:
+        endpoints = self._kv_endpoints or _publisher_endpoints(self.engine)
+        if not endpoints:
+            log.warning("the vLLM engine publishes no KV events; none relayed")
+            return
+        topic = ""
+        kvc = self.engine.vllm_config.kv_events_config
+        if kvc is not None:
+            topic = kvc.topic
+        self._kv = KvEventSubscriber(sink, loop, topic=topic, expect_from_zero=False)
+        self._kv.attach(endpoints)
+        self._kv.start()
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        engine, self._engine = self._engine, None
+        if engine is not None and self._owns_engine:
+            await asyncio.to_thread(engine.shutdown)
+        if self._kv is not None:
+            await self._kv.stop()
+
+    # -- requests --------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
+    ) -> AsyncIterator[EngineOutput]:
+        engine = self.engine
+        try:
+            params = to_sampling_params(spec)
+        except _REQUEST_ERRORS as e:
+            raise base.EngineRequestError(str(e)) from e
+        conv = OutputConverter(spec, len(prompt_token_ids))
+        stream = engine.generate(
+            TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id
+        )
+        try:
+            async for out in stream:
+                yield conv.convert(out)
+        except VllmEngineDeadError as e:
+            raise base.EngineDeadError(str(e)) from e
+        except _REQUEST_ERRORS as e:
+            raise base.EngineRequestError(str(e)) from e
+        except EngineGenerateError as e:
+            if isinstance(e.__cause__, _REQUEST_ERRORS):
+                raise base.EngineRequestError(str(e.__cause__)) from e
+            if engine.errored:
+                raise base.EngineDeadError(str(e)) from e
+            raise
+        finally:
+            # Closing vLLM's stream aborts its request (it handles GeneratorExit);
+            # the explicit abort covers every other way out before the end.
+            await stream.aclose()
+            if not conv.finished and not engine.errored:
+                with contextlib.suppress(Exception):
+                    await engine.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        """True when vLLM dropped its cached blocks (False while some are in use).
+
+        The engine emits AllBlocksCleared with its next step, that is with the
+        next request, not when this returns.
+        """
+        return bool(await self.engine.reset_prefix_cache())
+
+    def load(self) -> EngineLoad:
+        """Requests vLLM's front end holds, split by the scheduler's last count.
+
+        The total is exact at every moment (an abort removes the request at
+        once); the waiting share comes from the scheduler's latest stats and
+        is clamped to the total (0 for engines the host created).
+        """
+        engine = self._engine
+        if engine is None:
+            return EngineLoad(running=0, waiting=0)
+        total = engine.get_num_unfinished_requests()
+        waiting = min(self._view.waiting, total)
+        blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
+        return EngineLoad(
+            running=total - waiting,
+            waiting=waiting,
+            kv_blocks_used=round(self._view.kv_usage * blocks),
+            kv_blocks_total=blocks,
+        )
+
+    async def check_health(self) -> None:
+        engine = self.engine
+        try:
+            await engine.check_health()
+        except Exception as e:
+            raise base.EngineDeadError(f"vLLM engine is dead: {e}") from e
+
+
+def _publisher_endpoints(engine: AsyncLLM) -> list[str]:
+    """The engine's resolved KV-event publisher endpoints, by DP rank."""
+    sources = engine.get_kv_event_sources()
+    if sources:
+        return [
+            cfg.endpoint
+            for _, cfg in sorted(sources.items())
+            if cfg.enable_kv_cache_events and cfg.publisher == "zmq"
+        ]
+    kvc = engine.vllm_config.kv_events_config
+    if kvc is None or not kvc.enable_kv_cache_events or kvc.publisher != "zmq":
+        return []
+    dp = engine.vllm_config.parallel_config.data_parallel_size
+    return [
+        ZmqEventPublisher.offset_endpoint_port(kvc.endpoint, r) or kvc.endpoint for r in range(dp)
+    ]
+
+
+def eos_token_ids(engine: AsyncLLM) -> tuple[int, ...]:
+    """Every id vLLM stops on by default: generation config, HF config, tokenizer.
+
+    Read from the model's config files, so it works with skip_tokenizer_init.
+    """
+    mc = engine.model_config
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, int))
+
+    with contextlib.suppress(Exception):
+        add(mc.try_get_generation_config().get("eos_token_id"))
+    add(getattr(mc.hf_text_config, "eos_token_id", None))
+    tok = engine.tokenizer
+    if tok is not None:
+        add(getattr(tok, "eos_token_id", None))
+    if not found:  # last resort: the files themselves
+        for name in ("generation_config.json", "config.json"):
+            path = Path(mc.model) / name
+            with contextlib.suppress(OSError, ValueError):
+                add(json.loads(path.read_text()).get("eos_token_id"))
+    return tuple(dict.fromkeys(found))
+
+
+def engine_info(engine: AsyncLLM) -> EngineInfo:
+    """EngineInfo from vLLM's own, final configuration (after start-up)."""
+    cfg = engine.vllm_config
+    mc = cfg.model_config
+    served = mc.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return EngineInfo(
+        model_name=str(served or mc.model),
+        model_path=str(mc.model),
+        context_length=int(mc.max_model_len),
+        kv_block_size=int(cfg.cache_config.block_size),
+        total_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
+        max_running_sequences=int(cfg.scheduler_config.max_num_seqs),
+        max_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
+        eos_token_ids=eos_token_ids(engine),
+        vocab_size=int(mc.get_vocab_size()),
+        backend_name="vllm",
+        backend_version=vllm.__version__,
+        data_parallel_size=int(cfg.parallel_config.data_parallel_size),
+        reports_routed_experts=bool(cfg.aux_output_config.enable_return_routed_experts),
+    )

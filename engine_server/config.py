@@ -1,0 +1,62 @@
+"""The engine server's own settings, independent of the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The launch-time generation config rollouts are sampled with (NeMo RL's).
+
+    An empty ``stop_token_ids`` means "the model's EOS ids", filled in once the
+    engine has reported them.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on requests; over them a request gets INVALID_ARGUMENT or RESOURCE_EXHAUSTED."""
+
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 1024
+    max_request_id_length: int = 256
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_top_logprobs: int = 20
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Server certificate, and client CAs when clients must present certificates."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # host:port ("127.0.0.1:0" picks a free port) or unix:PATH.
+    listen: str = "127.0.0.1:50051"
+    # Listening on a non-loopback address must be asked for explicitly.
+    allow_remote: bool = False
+    tls: TlsConfig | None = None
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    limits: Limits = field(default_factory=Limits)
+    # On stop: how long requests in flight may run on before they are aborted.
+    grace_period_s: float = 10.0
+    # KV-event batches kept for subscribers resuming by sequence number.
+    kv_replay_batches: int = 10_000
+    # Blocks per message when a KV snapshot is sent.
+    kv_snapshot_chunk_blocks: int = 2048
+    # How often the engine's health is polled once serving.
+    health_poll_interval_s: float = 2.0
+    # Finished request ids remembered, so Abort can answer ALREADY_FINISHED.
+    finished_ids_remembered: int = 16_384

@@ -1,0 +1,240 @@
+"""KV-event fan-out: sequence numbers, a bounded replay buffer, and a block mirror.
+
+The backend hands over engine batches in order; the hub numbers them (from 1,
+contiguous, per instance), encodes each once, keeps the last N for subscribers
+that resume, and applies them to a mirror of the cached blocks so that a
+subscriber can start from a snapshot. Subscribers read the shared buffer at
+their own cursor: no per-subscriber queues, so a slow subscriber costs no
+memory; if it falls out of the buffer it gets a snapshot (when it allowed one)
+or a clear error, never a silent gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server.backends.base import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+)
+from engine_server.errors import KvPositionUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str
+
+
+class BlockMirror:
+    """The set of blocks the engine holds, rebuilt from its events."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, CachedBlock] = {}
+        # Events that did not fit the mirror (a removal of an unknown hash):
+        # a sign the engine's stream and ours disagree. Tests assert it stays 0.
+        self.inconsistencies = 0
+
+    def apply(self, events: Iterable[object]) -> None:
+        blocks = self.blocks
+        for event in events:
+            if isinstance(event, BlockStored):
+                size = event.block_size
+                parent = event.parent_block_hash
+                for i, block_hash in enumerate(event.block_hashes):
+                    blocks[block_hash] = CachedBlock(
+                        parent, tuple(event.token_ids[i * size : (i + 1) * size]), size,
+                        event.lora_name,
+                    )
+                    parent = block_hash
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    if blocks.pop(block_hash, None) is None:
+                        self.inconsistencies += 1
+            elif isinstance(event, AllBlocksCleared):
+                blocks.clear()
+
+    def ordered(self) -> list[tuple[int, CachedBlock]]:
+        """Blocks with every cached parent before its children (what a consumer needs)."""
+        blocks = self.blocks
+        emitted: set[int] = set()
+        out: list[tuple[int, CachedBlock]] = []
+        for start in blocks:
+            chain: list[int] = []
+            cursor: int | None = start
+            while cursor is not None and cursor in blocks and cursor not in emitted:
+                chain.append(cursor)
+                emitted.add(cursor)
+                cursor = blocks[cursor].parent_hash
+            for block_hash in reversed(chain):
+                out.append((block_hash, blocks[block_hash]))
+        return out
+
+
+def encode_event(event: object) -> pb.KvEvent:
+    if isinstance(event, BlockStored):
+        stored = pb.BlockStored(
+            block_hashes=event.block_hashes,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_name=event.lora_name,
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        return pb.KvEvent(stored=stored)
+    if isinstance(event, BlockRemoved):
+        return pb.KvEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes))
+    if isinstance(event, AllBlocksCleared):
+        return pb.KvEvent(cleared=pb.AllBlocksCleared())
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+class KvEventHub:
+    def __init__(self, instance_id: str, replay_batches: int, snapshot_chunk_blocks: int) -> None:
+        if replay_batches < 1:
+            raise ValueError("kv_replay_batches must be at least 1")
+        self.instance_id = instance_id
+        self.mirror = BlockMirror()
+        self.last_seq = 0
+        self._capacity = replay_batches
+        self._ring: list[pb.SubscribeKvEventsResponse | None] = [None] * replay_batches
+        self._chunk = snapshot_chunk_blocks
+        self._new_data = asyncio.Event()
+        self._closed = False
+        self.subscribers = 0
+
+    @property
+    def oldest_seq(self) -> int:
+        """The oldest sequence number still in the replay buffer (last_seq + 1 when empty)."""
+        return max(1, self.last_seq - self._capacity + 1)
+
+    def publish(self, batch: KvEventBatch) -> None:
+        """Number, mirror and buffer one engine batch; wake the subscribers."""
+        if self._closed:
+            return
+        self.mirror.apply(batch.events)
+        self.last_seq += 1
+        message = pb.SubscribeKvEventsResponse(
+            batch=pb.KvEventBatch(
+                instance_id=self.instance_id,
+                sequence_number=self.last_seq,
+                events=[encode_event(e) for e in batch.events],
+                timestamp_unix_nanos=batch.timestamp_unix_nanos,
+                data_parallel_rank=batch.data_parallel_rank,
+            )
+        )
+        self._ring[self.last_seq % self._capacity] = message
+        self._wake()
+
+    def close(self) -> None:
+        """End every subscription (server shutdown)."""
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        event, self._new_data = self._new_data, asyncio.Event()
+        event.set()
+
+    def snapshot(self) -> list[pb.SubscribeKvEventsResponse]:
+        """The cached blocks as of last_seq, as one or more snapshot messages.
+
+        Built without awaiting, so it is consistent with ``last_seq``.
+        """
+        blocks = self.mirror.ordered()
+        chunks = [blocks[i : i + self._chunk] for i in range(0, len(blocks), self._chunk)] or [[]]
+        messages = []
+        for index, chunk in enumerate(chunks):
+            events = [pb.KvEvent(cleared=pb.AllBlocksCleared())] if index == 0 else []
+            for block_hash, block in chunk:
+                stored = pb.BlockStored(
+                    block_hashes=[block_hash],
+                    token_ids=block.token_ids,
+                    block_size=block.block_size,
+                    lora_name=block.lora_name,
+                )
+                if block.parent_hash is not None:
+                    stored.parent_block_hash = block.parent_hash
+                events.append(pb.KvEvent(stored=stored))
+            messages.append(
+                pb.SubscribeKvEventsResponse(
+                    batch=pb.KvEventBatch(
+                        instance_id=self.instance_id,
+                        sequence_number=self.last_seq,
+                        events=events,
+                        snapshot=pb.SnapshotPart(index=index, last=index == len(chunks) - 1),
+                    )
+                )
+            )
+        return messages
+
+    def _start_cursor(self, request: pb.SubscribeKvEventsRequest) -> int | None:
+        """Where a subscription starts; None means "with a snapshot"."""
+        if request.include_snapshot:
+            return None
+        if not request.HasField("start_sequence_number"):
+            return self.last_seq + 1
+        start = request.start_sequence_number
+        other_instance = (
+            request.expected_instance_id and request.expected_instance_id != self.instance_id
+        )
+        if other_instance:
+            problem = (
+                f"expected_instance_id {request.expected_instance_id!r} is not this server's "
+                f"instance {self.instance_id!r} (the engine restarted)"
+            )
+        elif start < self.oldest_seq:
+            problem = (
+                f"start_sequence_number {start} is no longer buffered (oldest is "
+                f"{self.oldest_seq})"
+            )
+        elif start > self.last_seq + 1:
+            problem = (
+                f"start_sequence_number {start} is in the future (next is {self.last_seq + 1})"
+            )
+        else:
+            return start
+        if request.snapshot_if_unavailable:
+            return None
+        raise KvPositionUnavailable(f"{problem}; subscribe with snapshot_if_unavailable")
+
+    async def subscribe(
+        self, request: pb.SubscribeKvEventsRequest
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        """Yield batches from the requested position, then live, until the hub closes."""
+        cursor = self._start_cursor(request)
+        self.subscribers += 1
+        try:
+            while not self._closed:
+                if cursor is None:
+                    messages = self.snapshot()
+                    cursor = self.last_seq + 1
+                    for message in messages:
+                        yield message
+                while cursor <= self.last_seq and not self._closed:
+                    if cursor < self.oldest_seq:
+                        if not request.snapshot_if_unavailable and not request.include_snapshot:
+                            raise KvPositionUnavailable(
+                                f"subscriber fell behind: batch {cursor} left the replay buffer "
+                                f"(oldest is {self.oldest_seq}); resubscribe with a snapshot"
+                            )
+                        log.warning("KV subscriber fell behind at %d; sending a snapshot", cursor)
+                        cursor = None
+                        break
+                    message = self._ring[cursor % self._capacity]
+                    assert message is not None
+                    cursor += 1
+                    yield message
+                if cursor is not None and cursor > self.last_seq:
+                    await self._new_data.wait()
+        finally:
+            self.subscribers -= 1

@@ -1,0 +1,96 @@
+"""Requests in flight on this server: admission of ids, aborts, and what finished.
+
+The registry is the server's own view, kept apart from the engine's, so that a
+duplicate id is refused before it reaches an engine that would merge the two
+(vLLM aborts every request sharing an id), and so that Abort can tell
+"aborted" from "already finished" from "never seen".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from engine_server.errors import DuplicateRequest
+
+
+class AbortOutcome(enum.Enum):
+    ABORTED = "aborted"
+    ALREADY_FINISHED = "already_finished"
+    NOT_FOUND = "not_found"
+
+
+@dataclass
+class ActiveRequest:
+    request_id: str
+    abort_requested: bool = False
+    # Set when the request has ended, whatever the reason.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RequestRegistry:
+    """Tracks running requests by id; aborts go through ``engine_abort``."""
+
+    def __init__(
+        self, engine_abort: Callable[[str], Awaitable[None]], remember_finished: int
+    ) -> None:
+        self._engine_abort = engine_abort
+        self._active: dict[str, ActiveRequest] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._remember_finished = remember_finished
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    @contextmanager
+    def track(self, request_id: str) -> Iterator[ActiveRequest]:
+        """Register ``request_id`` for the duration of the block; refuse active duplicates."""
+        if request_id in self._active:
+            raise DuplicateRequest(request_id)
+        entry = ActiveRequest(request_id)
+        self._active[request_id] = entry
+        self._idle.clear()
+        try:
+            yield entry
+        finally:
+            del self._active[request_id]
+            entry.done.set()
+            self._finished[request_id] = None
+            self._finished.move_to_end(request_id)
+            while len(self._finished) > self._remember_finished:
+                self._finished.popitem(last=False)
+            if not self._active:
+                self._idle.set()
+
+    async def abort(self, request_id: str) -> AbortOutcome:
+        entry = self._active.get(request_id)
+        if entry is None:
+            if request_id in self._finished:
+                return AbortOutcome.ALREADY_FINISHED
+            return AbortOutcome.NOT_FOUND
+        entry.abort_requested = True
+        await self._engine_abort(request_id)
+        return AbortOutcome.ABORTED
+
+    async def abort_all(self) -> int:
+        ids = list(self._active)
+        for request_id in ids:
+            await self.abort(request_id)
+        return len(ids)
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight; False when the timeout passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,256 @@
+"""The engine server's lifecycle: bind, serve while the engine starts, drain, stop.
+
+``start_server`` / ``serve`` run on the caller's event loop and return a handle,
+so a host process that already owns an engine (an RL worker) can serve it
+without giving up its loop; the CLI is a thin wrapper around the same calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+import engine_contract
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server import admission
+from engine_server.addresses import parse_listen_address
+from engine_server.backends.base import EngineBackend, EngineDeadError, EngineInfo
+from engine_server.config import ServerConfig
+from engine_server.kv_events import KvEventHub
+from engine_server.registry import RequestRegistry
+from engine_server.servicer import EngineServicer, Readiness
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_SERVICES = ("", engine_contract.SERVICE_NAME)
+
+
+def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    limit = config.limits.max_message_bytes
+    return [
+        # Bounded both ways: an oversized request gets RESOURCE_EXHAUSTED.
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # A unary Rollout sends nothing while the engine decodes; clients ping
+        # to keep the connection alive, and gRPC's defaults would answer pings
+        # that come more often than every 5 minutes with GOAWAY.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        # Our own pings find clients that vanished without closing the socket,
+        # so their calls are cancelled and their engine requests aborted.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Two servers must never share a port silently.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    tls = config.tls
+    if tls is None:
+        return None
+    client_ca = Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+@dataclass
+class EngineServerHandle:
+    """A running engine server. ``stop()`` drains and shuts the engine down."""
+
+    address: str
+    instance_id: str
+    config: ServerConfig
+    _server: grpc.aio.Server
+    _backend: EngineBackend
+    _health: HealthServicer
+    _registry: RequestRegistry
+    _hub: KvEventHub
+    _readiness: Readiness
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _ready: asyncio.Future[EngineInfo] = field(default_factory=asyncio.Future)
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    _stopping: asyncio.Task[None] | None = None
+
+    @property
+    def registry(self) -> RequestRegistry:
+        return self._registry
+
+    @property
+    def kv_hub(self) -> KvEventHub:
+        return self._hub
+
+    @property
+    def backend(self) -> EngineBackend:
+        return self._backend
+
+    async def wait_ready(self, timeout: float | None = None) -> EngineInfo:
+        """Wait for the engine; raises what made its start fail."""
+        return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, grace_period_s: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new requests, let those in flight finish for
+        up to the grace period, abort the rest, then stop the engine. Idempotent."""
+        if self._stopping is None:
+            grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+            self._stopping = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float) -> None:
+        log.info("[shutdown] draining: %d requests in flight, grace %.1fs", len(self._registry),
+                 grace)
+        self._readiness.draining = True
+        await _set_health(self._health, NOT_SERVING)
+        if not await self._registry.wait_idle(grace):
+            count = await self._registry.abort_all()
+            log.warning("[shutdown] grace period over: aborted %d requests", count)
+            if not await self._registry.wait_idle(max(grace, 5.0)):
+                log.error("[shutdown] %d requests did not end after abort", len(self._registry))
+        self._hub.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.stop(grace=1.0)
+        try:
+            await self._backend.shutdown()
+        except Exception:
+            log.exception("[shutdown] engine shutdown failed")
+        if not self._ready.done():
+            self._ready.set_exception(RuntimeError("server stopped before the engine was ready"))
+        self._stopped.set()
+        log.info("[shutdown] stopped")
+
+
+async def _set_health(health: HealthServicer, status: int) -> None:
+    for service in HEALTH_SERVICES:
+        await health.set(service, status)
+
+
+async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineServerHandle:
+    """Bind and start serving now (health NOT_SERVING); the engine starts in the
+    background and the handle's ``wait_ready()`` reports when it is up."""
+    listen = parse_listen_address(config.listen)
+    if not listen.is_loopback() and not config.allow_remote:
+        raise ValueError(
+            f"refusing to listen on non-loopback address {config.listen!r}: the contract "
+            "carries no authentication beyond TLS client certificates; pass allow_remote "
+            "(--allow-remote) to do it anyway"
+        )
+    instance_id = uuid.uuid4().hex
+    readiness = Readiness()
+    hub = KvEventHub(instance_id, config.kv_replay_batches, config.kv_snapshot_chunk_blocks)
+    registry = RequestRegistry(backend.abort, config.finished_ids_remembered)
+    health = HealthServicer()
+    server = grpc.aio.server(options=grpc_server_options(config))
+    servicer = EngineServicer(backend, config, instance_id, registry, hub, readiness)
+    pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    credentials = _server_credentials(config)
+    target = listen.grpc_target()
+    try:
+        port = (
+            server.add_secure_port(target, credentials)
+            if credentials is not None
+            else server.add_insecure_port(target)
+        )
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {config.listen!r}: {e}") from e
+    if port == 0 and not listen.is_unix:
+        raise OSError(f"cannot listen on {config.listen!r}: address in use or unavailable")
+    address = listen.grpc_target(port if not listen.is_unix else None)
+    await _set_health(health, NOT_SERVING)
+    await server.start()
+    handle = EngineServerHandle(
+        address=address,
+        instance_id=instance_id,
+        config=config,
+        _server=server,
+        _backend=backend,
+        _health=health,
+        _registry=registry,
+        _hub=hub,
+        _readiness=readiness,
+    )
+    log.info("engine server listening on %s (instance %s)", address, instance_id)
+    handle._tasks.append(asyncio.create_task(_start_engine(handle), name="engine-start"))
+    return handle
+
+
+async def _start_engine(handle: EngineServerHandle) -> None:
+    readiness = handle._readiness
+    try:
+        info = await handle._backend.start(handle._hub.publish)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        log.exception("engine failed to start")
+        readiness.engine_dead = f"failed to start: {e}"
+        if not handle._ready.done():
+            handle._ready.set_exception(e)
+        return
+    readiness.defaults = admission.resolve_defaults(handle.config.defaults, info)
+    readiness.start_time_unix_nanos = time.time_ns()
+    readiness.info = info
+    if readiness.draining:
+        return
+    await _set_health(handle._health, SERVING)
+    log.info(
+        "engine ready: %s (%s %s), context %d, block size %d, %d blocks",
+        info.model_name, info.backend_name, info.backend_version, info.context_length,
+        info.kv_block_size, info.total_kv_blocks,
+    )
+    if not handle._ready.done():
+        handle._ready.set_result(info)
+    handle._tasks.append(asyncio.create_task(_watch_engine(handle), name="engine-health"))
+
+
+async def _watch_engine(handle: EngineServerHandle) -> None:
+    """Poll the engine's health; NOT_SERVING and UNAVAILABLE once it is dead."""
+    interval = handle.config.health_poll_interval_s
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await handle._backend.check_health()
+        except EngineDeadError as e:
+            log.error("engine is dead: %s", e)
+            handle._readiness.engine_dead = str(e) or "engine died"
+            await _set_health(handle._health, NOT_SERVING)
+            return
+
+
+async def serve(backend: EngineBackend, config: ServerConfig | None = None) -> EngineServerHandle:
+    """Serve ``backend`` on the running loop; return once the engine is ready."""
+    handle = await start_server(backend, config or ServerConfig())
+    try:
+        await handle.wait_ready()
+    except BaseException:
+        await handle.stop(grace_period_s=0)
+        raise
+    return handle

@@ -1,0 +1,171 @@
+"""Fakes for the bridge's unit tests: a scriptable in-process engine server and a
+KV publisher that records what it is given."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+import engine_contract
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+
+
+@dataclass
+class FakeEngine(pb_grpc.EngineServiceServicer):
+    """Answers like an engine server; tests change its fields to script failures."""
+
+    contract_revision: int = engine_contract.CONTRACT_REVISION
+    minimum_client_revision: int = engine_contract.MINIMUM_CLIENT_REVISION
+    instance_id: str = "inst-1"
+    # When set, Rollout/Generate fail with this status and message.
+    fail_with: tuple[grpc.StatusCode, str] | None = None
+    # Rollout waits for this event (or its abort) before answering.
+    hold_rollout: bool = False
+    generate_tokens: int = 4
+    generate_delay_s: float = 0.0
+    rollouts: list[pb.RolloutRequest] = field(default_factory=list)
+    generates: list[pb.GenerateRequest] = field(default_factory=list)
+    aborts: list[pb.AbortRequest] = field(default_factory=list)
+    running: set[str] = field(default_factory=set)
+    kv_batches: asyncio.Queue[pb.KvEventBatch | None] = field(default_factory=asyncio.Queue)
+    kv_requests: list[pb.SubscribeKvEventsRequest] = field(default_factory=list)
+    _released: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def info(self) -> pb.GetServerInfoResponse:
+        return pb.GetServerInfoResponse(
+            contract_revision=self.contract_revision,
+            minimum_client_revision=self.minimum_client_revision,
+            instance_id=self.instance_id,
+            model_name="fake-model",
+            engine_config=pb.EngineConfig(
+                context_length=512,
+                kv_block_size=4,
+                total_kv_blocks=100,
+                max_running_sequences=8,
+                max_batched_tokens=256,
+            ),
+            eos_token_ids=[1],
+            vocab_size=1000,
+            backend_name="fake",
+        )
+
+    async def GetServerInfo(self, request: Any, context: Any) -> pb.GetServerInfoResponse:
+        if request.client_revision and request.client_revision < self.minimum_client_revision:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "client too old")
+        return self.info()
+
+    async def Rollout(self, request: Any, context: Any) -> pb.RolloutResponse:
+        self.rollouts.append(request)
+        if self.fail_with is not None:
+            await context.abort(*self.fail_with)
+        self.running.add(request.request_id)
+        try:
+            if self.hold_rollout:
+                event = self._released.setdefault(request.request_id, asyncio.Event())
+                await event.wait()
+                return pb.RolloutResponse(
+                    request_id=request.request_id,
+                    finish_reason=pb.FINISH_REASON_ABORTED,
+                    instance_id=self.instance_id,
+                )
+            tokens = [t + 1 for t in request.prompt_token_ids][: request.max_new_tokens or 3]
+            return pb.RolloutResponse(
+                request_id=request.request_id,
+                token_ids=tokens,
+                logprobs=[-0.5 * (i + 1) for i in range(len(tokens))],
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                truncated=True,
+                usage=pb.Usage(
+                    prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(tokens)
+                ),
+                instance_id=self.instance_id,
+            )
+        finally:
+            self.running.discard(request.request_id)
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        self.generates.append(request)
+        if self.fail_with is not None:
+            await context.abort(*self.fail_with)
+        self.running.add(request.request_id)
+        try:
+            for i in range(self.generate_tokens):
+                await asyncio.sleep(self.generate_delay_s)
+                yield pb.GenerateResponse(token_ids=[10 + i], logprobs=[-1.0])
+            yield pb.GenerateResponse(
+                finished=pb.GenerateFinished(
+                    finish_reason=pb.FINISH_REASON_LENGTH,
+                    usage=pb.Usage(
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=self.generate_tokens,
+                    ),
+                    instance_id=self.instance_id,
+                )
+            )
+        finally:
+            self.running.discard(request.request_id)
+
+    async def Abort(self, request: Any, context: Any) -> pb.AbortResponse:
+        self.aborts.append(request)
+        event = self._released.setdefault(request.request_id, asyncio.Event())
+        event.set()
+        return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_ABORTED, aborted_count=1)
+
+    async def SubscribeKvEvents(
+        self, request: Any, context: Any
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        self.kv_requests.append(request)
+        while True:
+            batch = await self.kv_batches.get()
+            if batch is None:
+                return
+            yield pb.SubscribeKvEventsResponse(batch=batch)
+
+    async def GetLoad(self, request: Any, context: Any) -> pb.GetLoadResponse:
+        return pb.GetLoadResponse(running_requests=len(self.running))
+
+
+class FakeServer:
+    """A FakeEngine on 127.0.0.1:<free port> on the test's own event loop."""
+
+    def __init__(self, engine: FakeEngine | None = None) -> None:
+        self.engine = engine or FakeEngine()
+        self.server = grpc.aio.server()
+        pb_grpc.add_EngineServiceServicer_to_server(self.engine, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> FakeServer:
+        await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.stop(grace=None)
+
+
+@dataclass
+class RecordingPublisher:
+    """Stands in for Dynamo's KvEventPublisher."""
+
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def publish_stored(self, **kwargs: Any) -> None:
+        self.calls.append(("stored", kwargs))
+
+    def publish_removed(self, block_hashes: list[int]) -> None:
+        self.calls.append(("removed", {"block_hashes": list(block_hashes)}))
+
+    def live_hashes(self) -> set[int]:
+        """What the router believes this worker holds after all calls."""
+        live: set[int] = set()
+        for kind, kwargs in self.calls:
+            if kind == "stored":
+                live.update(kwargs["block_hashes"])
+            else:
+                live.difference_update(kwargs["block_hashes"])
+        return live

@@ -1,0 +1,158 @@
+"""Abort, cancellation, duplicate ids, and clients that die."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+from common import idle, long_generate, make_prompt, new_id, wait_load
+
+from engine_contract.v1 import engine_pb2 as pb
+
+
+async def start_stream(stub, request: pb.GenerateRequest):  # type: ignore[no-untyped-def]
+    """Start a Generate call and wait for its first delta (the engine is running it)."""
+    call = stub.Generate(request)
+    first = await asyncio.wait_for(call.read(), 10)
+    assert first.token_ids
+    return call
+
+
+async def drain(call) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
+    out = []
+    while (message := await asyncio.wait_for(call.read(), 10)) != grpc.aio.EOF:
+        out.append(message)
+    return out
+
+
+async def test_abort_ends_stream_with_aborted_and_is_idempotent(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    request_id = new_id("ab")
+    call = await start_stream(stub, long_generate(server_info, request_id))
+    answer = await stub.Abort(pb.AbortRequest(request_id=request_id))
+    assert answer.outcome == pb.ABORT_OUTCOME_ABORTED and answer.aborted_count == 1
+    rest = await drain(call)
+    assert rest[-1].finished.finish_reason == pb.FINISH_REASON_ABORTED
+    await wait_load(stub, idle, timeout=1.0)
+    assert idle(await stub.GetLoad(pb.GetLoadRequest()))
+    again = await stub.Abort(pb.AbortRequest(request_id=request_id))
+    assert again.outcome == pb.ABORT_OUTCOME_ALREADY_FINISHED and again.aborted_count == 0
+    unknown = await stub.Abort(pb.AbortRequest(request_id=new_id("never")))
+    assert unknown.outcome == pb.ABORT_OUTCOME_NOT_FOUND
+
+
+async def test_abort_for_another_instance_touches_nothing(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    request_id = new_id("ab")
+    call = await start_stream(stub, long_generate(server_info, request_id, max_tokens=60))
+    answer = await stub.Abort(pb.AbortRequest(request_id=request_id, instance_id="stale"))
+    assert answer.outcome == pb.ABORT_OUTCOME_NOT_FOUND
+    rest = await drain(call)
+    assert rest[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_abort_rollout_returns_partial_prefix(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    prompt = make_prompt(server_info, 8, 11)
+    # Find how long this greedy rollout runs when left alone.
+    budget = min(300, server_info.engine_config.context_length - 8)
+    full = await stub.Rollout(pb.RolloutRequest(request_id=new_id("ro"), prompt_token_ids=prompt,
+                                                greedy=True, max_new_tokens=budget))
+    if len(full.token_ids) < 100:
+        pytest.skip("this model's greedy rollout stops too early to abort it mid-way")
+    request_id = new_id("ro")
+    pending = asyncio.ensure_future(stub.Rollout(pb.RolloutRequest(
+        request_id=request_id, prompt_token_ids=prompt, greedy=True, max_new_tokens=budget)))
+    await wait_load(stub, lambda load: load.running_requests >= 1)
+    await asyncio.sleep(0.05)
+    answer = await stub.Abort(pb.AbortRequest(request_id=request_id))
+    result = await pending
+    assert answer.outcome == pb.ABORT_OUTCOME_ABORTED
+    assert result.finish_reason == pb.FINISH_REASON_ABORTED and not result.truncated
+    assert list(result.token_ids) == list(full.token_ids)[: len(result.token_ids)]
+    assert list(result.logprobs) == list(full.logprobs)[: len(result.logprobs)]
+    assert len(result.token_ids) < len(full.token_ids)
+
+
+async def test_abort_all(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    calls = [await start_stream(stub, long_generate(server_info, new_id("all"), seed=i))
+             for i in range(4)]
+    answer = await stub.Abort(pb.AbortRequest(all=True))
+    assert answer.outcome == pb.ABORT_OUTCOME_ABORTED and answer.aborted_count >= 4
+    for call in calls:
+        assert (await drain(call))[-1].finished.finish_reason == pb.FINISH_REASON_ABORTED
+    assert idle(await wait_load(stub, idle, timeout=1.0))
+
+
+async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    calls = [await start_stream(stub, long_generate(server_info, new_id("cx"), seed=i))
+             for i in range(8)]
+    rollouts = [asyncio.ensure_future(stub.Rollout(pb.RolloutRequest(
+        request_id=new_id("cxr"), prompt_token_ids=make_prompt(server_info, 8, 50 + i),
+        max_new_tokens=min(400, server_info.engine_config.context_length - 8))))
+        for i in range(8)]
+    await wait_load(stub, lambda load: load.registered_requests >= 16)
+    for call in calls:
+        call.cancel()
+    for pending in rollouts:
+        pending.cancel()
+    load = await wait_load(stub, idle, timeout=1.0)
+    assert idle(load), f"engine still holds requests 1 s after cancel: {load}"
+
+
+async def test_duplicate_active_request_id_is_refused_then_reusable(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    request_id = new_id("dup")
+    call = await start_stream(stub, long_generate(server_info, request_id, max_tokens=80))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Rollout(pb.RolloutRequest(request_id=request_id,
+                                             prompt_token_ids=make_prompt(server_info, 4, 1)))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert request_id in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await drain(stub.Generate(long_generate(server_info, request_id)))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    rest = await drain(call)
+    assert rest[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH, "the first one is intact"
+    reused = await stub.Rollout(pb.RolloutRequest(request_id=request_id,
+                                                  prompt_token_ids=make_prompt(server_info, 4, 1),
+                                                  max_new_tokens=2))
+    assert reused.request_id == request_id
+
+
+CLIENT = textwrap.dedent("""
+    import sys, grpc
+    from engine_contract.v1 import engine_pb2 as pb, engine_pb2_grpc as pb_grpc
+    address, n = sys.argv[1], int(sys.argv[2])
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.EngineServiceStub(channel)
+    streams = []
+    for i in range(n):
+        request = pb.GenerateRequest(request_id=f"dying-{i}", prompt_token_ids=[5, 6, 7, 8 + i])
+        request.stop.max_tokens = int(sys.argv[3])
+        request.stop.ignore_eos = True
+        stream = stub.Generate(request)
+        next(stream)
+        streams.append(stream)
+    print("running", flush=True)
+    sys.stdin.read()
+""")
+
+
+async def test_client_process_killed_aborts_its_requests(stub, server_info, engine_address) -> None:  # type: ignore[no-untyped-def]
+    max_tokens = min(2000, server_info.engine_config.context_length - 8)
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, engine_address, "4", str(max_tokens)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert client.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(client.stdout.readline), 30)
+        assert line.strip() == b"running"
+        load = await stub.GetLoad(pb.GetLoadRequest())
+        assert load.registered_requests >= 4
+        client.send_signal(signal.SIGKILL)
+        client.wait(10)
+        load = await wait_load(stub, idle, timeout=2.0)
+        assert idle(load), f"requests of a dead client still running: {load}"
+    finally:
+        client.kill()
