@@ -74,6 +74,18 @@ class RolloutResult:
     # The frontend's nvext.worker_id, when asked for.
     worker_id: Any = None
 
+    @classmethod
+    def nothing_generated(cls, prompt_tokens: int) -> RolloutResult:
+        """A zero token budget: the engine contract's answer, without asking anyone."""
+        return cls(
+            token_ids=[],
+            logprobs=[],
+            truncated=False,
+            finish_reason="length",
+            usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                   "cached_prompt_tokens": 0},
+        )
+
 
 def rollout_annotation(
     *, greedy: bool = False, stop_strings: Sequence[str] = (), request_id: str | None = None
@@ -211,6 +223,9 @@ class RolloutClient:
         request_id: str | None = None,
         worker_id: bool = False,
     ) -> RolloutResult:
+        if max_tokens == 0:
+            # The frontend refuses max_tokens 0 (HTTP 400); the answer is known anyway.
+            return RolloutResult.nothing_generated(len(prompt_token_ids))
         body = build_rollout_body(
             self.model,
             prompt_token_ids,

@@ -144,6 +144,9 @@ class BridgeEngine(LLMEngine):
         if client is None:
             raise errors.to_dynamo(grpc.aio.UsageError("the bridge is not started or closed"))
         context_id = context.id()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", context_id, {k: v for k, v in request.items()
+                                                     if k != "token_ids"})
         request_id = (spec.request_id if spec is not None else None) or context_id
         entry = _InFlight(request_id)
         self._inflight[context_id] = entry

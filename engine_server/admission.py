@@ -48,8 +48,7 @@ def check_request_id(request_id: str, limits: Limits) -> None:
     if len(request_id) > limits.max_request_id_length:
         raise InvalidRequest(
             "request_id",
-            f"{len(request_id)} characters, more than the limit of "
-            f"{limits.max_request_id_length}",
+            f"{len(request_id)} characters, more than the limit of {limits.max_request_id_length}",
         )
 
 
@@ -79,8 +78,8 @@ def check_token_ids(field: str, ids: Sequence[int], info: EngineInfo) -> None:
 def check_stop_strings(field: str, stop_strings: Sequence[str], limits: Limits) -> None:
     if len(stop_strings) > limits.max_stop_strings:
         raise InvalidRequest(
-            field, f"{len(stop_strings)} stop strings, more than the limit of "
-            f"{limits.max_stop_strings}"
+            field,
+            f"{len(stop_strings)} stop strings, more than the limit of {limits.max_stop_strings}",
         )
     for i, text in enumerate(stop_strings):
         if not text:

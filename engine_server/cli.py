@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine_server.backends import BACKENDS, load_backend_class
 from engine_server.config import GenerationDefaults, Limits, ServerConfig, TlsConfig
-from engine_server.server import start_server
+from engine_server.server import EngineServerHandle, start_server
 
 log = logging.getLogger("engine_server")
 
@@ -30,37 +30,59 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def build_parser(backend: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine_server", description=DESCRIPTION)
-    parser.add_argument("--backend", choices=sorted(BACKENDS), default="sim",
-                        help="inference engine to serve (default: %(default)s)")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="sim",
+        help="inference engine to serve (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
 
     net = parser.add_argument_group("listening")
-    net.add_argument("--listen", default="127.0.0.1:50051",
-                     help="HOST:PORT (port 0 picks one) or unix:PATH (default: %(default)s)")
-    net.add_argument("--allow-remote", action="store_true",
-                     help="allow listening on a non-loopback address")
+    net.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (port 0 picks one) or unix:PATH (default: %(default)s)",
+    )
+    net.add_argument(
+        "--allow-remote", action="store_true", help="allow listening on a non-loopback address"
+    )
     net.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
     net.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    net.add_argument("--tls-client-ca", type=Path,
-                     help="CA bundle (PEM); clients must then present a certificate it signed")
-    net.add_argument("--ready-file", type=Path,
-                     help="write the bound address here once the engine is ready")
+    net.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="CA bundle (PEM); clients must then present a certificate it signed",
+    )
+    net.add_argument(
+        "--ready-file", type=Path, help="write the bound address here once the engine is ready"
+    )
 
     limits = Limits()
     srv = parser.add_argument_group("requests and shutdown")
-    srv.add_argument("--grace-period-s", type=float, default=ServerConfig.grace_period_s,
-                     help="on SIGTERM, how long requests in flight may finish (default: "
-                     "%(default)s)")
+    srv.add_argument(
+        "--grace-period-s",
+        type=float,
+        default=ServerConfig.grace_period_s,
+        help="on SIGTERM, how long requests in flight may finish (default: %(default)s)",
+    )
     srv.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes)
     srv.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
-    srv.add_argument("--kv-replay-batches", type=int, default=ServerConfig.kv_replay_batches,
-                     help="KV-event batches kept for resuming subscribers")
+    srv.add_argument(
+        "--kv-replay-batches",
+        type=int,
+        default=ServerConfig.kv_replay_batches,
+        help="KV-event batches kept for resuming subscribers",
+    )
 
     defaults = GenerationDefaults()
     gen = parser.add_argument_group("rollout generation defaults (NeMo RL generation config)")
@@ -68,8 +90,12 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=defaults.top_p)
     gen.add_argument("--top-k", type=int, default=defaults.top_k, help="-1 disables")
     gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    gen.add_argument("--stop-token-ids", type=_int_list, default=(),
-                     help="comma-separated; default: the model's EOS ids")
+    gen.add_argument(
+        "--stop-token-ids",
+        type=_int_list,
+        default=(),
+        help="comma-separated; default: the model's EOS ids",
+    )
 
     if backend is not None:
         try:
@@ -92,8 +118,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     elif args.tls_client_ca:
         raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
     if not 0 <= args.top_p <= 1 or args.temperature < 0 or args.top_k < -1:
-        raise SystemExit("generation defaults: need temperature >= 0, 0 < top-p <= 1, "
-                         "top-k -1 or >= 0")
+        raise SystemExit(
+            "generation defaults: need temperature >= 0, 0 < top-p <= 1, top-k -1 or >= 0"
+        )
     if args.max_new_tokens < 0:
         raise SystemExit("--max-new-tokens must be >= 0")
     return ServerConfig(
@@ -107,8 +134,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_new_tokens=args.max_new_tokens,
             stop_token_ids=tuple(args.stop_token_ids),
         ),
-        limits=Limits(max_message_bytes=args.max_message_bytes,
-                      max_stop_strings=args.max_stop_strings),
+        limits=Limits(
+            max_message_bytes=args.max_message_bytes, max_stop_strings=args.max_stop_strings
+        ),
         grace_period_s=args.grace_period_s,
         kv_replay_batches=args.kv_replay_batches,
     )
@@ -137,15 +165,14 @@ async def run(args: argparse.Namespace) -> int:
         return 1
     if args.ready_file:
         args.ready_file.write_text(handle.address + "\n")
-    print(f"engine server ready on {handle.address} (instance {handle.instance_id})",
-          flush=True)
+    print(f"engine server ready on {handle.address} (instance {handle.instance_id})", flush=True)
     await handle.wait_stopped()
     return 0
 
 
-def _on_signal(handle, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+def _on_signal(handle: EngineServerHandle, sig: signal.Signals) -> None:
     log.info("received %s: draining", sig.name)
-    asyncio.ensure_future(handle.stop())
+    handle.request_stop()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -53,7 +53,9 @@ class BlockMirror:
                 parent = event.parent_block_hash
                 for i, block_hash in enumerate(event.block_hashes):
                     blocks[block_hash] = CachedBlock(
-                        parent, tuple(event.token_ids[i * size : (i + 1) * size]), size,
+                        parent,
+                        tuple(event.token_ids[i * size : (i + 1) * size]),
+                        size,
                         event.lora_name,
                     )
                     parent = block_hash
@@ -194,8 +196,7 @@ class KvEventHub:
             )
         elif start < self.oldest_seq:
             problem = (
-                f"start_sequence_number {start} is no longer buffered (oldest is "
-                f"{self.oldest_seq})"
+                f"start_sequence_number {start} is no longer buffered (oldest is {self.oldest_seq})"
             )
         elif start > self.last_seq + 1:
             problem = (

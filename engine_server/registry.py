@@ -89,6 +89,8 @@ class RequestRegistry:
 
     async def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no request is in flight; False when the timeout passed first."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:

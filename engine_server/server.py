@@ -107,17 +107,22 @@ class EngineServerHandle:
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
+    def request_stop(self, grace_period_s: float | None = None) -> asyncio.Task[None]:
+        """Begin stopping (see ``stop``) without waiting; for signal handlers."""
+        if self._stopping is None:
+            grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+            self._stopping = asyncio.create_task(self._stop(grace), name="engine-server-stop")
+        return self._stopping
+
     async def stop(self, grace_period_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new requests, let those in flight finish for
         up to the grace period, abort the rest, then stop the engine. Idempotent."""
-        if self._stopping is None:
-            grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
-            self._stopping = asyncio.ensure_future(self._stop(grace))
-        await asyncio.shield(self._stopping)
+        await asyncio.shield(self.request_stop(grace_period_s))
 
     async def _stop(self, grace: float) -> None:
-        log.info("[shutdown] draining: %d requests in flight, grace %.1fs", len(self._registry),
-                 grace)
+        log.info(
+            "[shutdown] draining: %d requests in flight, grace %.1fs", len(self._registry), grace
+        )
         self._readiness.draining = True
         await _set_health(self._health, NOT_SERVING)
         if not await self._registry.wait_idle(grace):
@@ -223,8 +228,12 @@ async def _start_engine(handle: EngineServerHandle) -> None:
     await _set_health(handle._health, SERVING)
     log.info(
         "engine ready: %s (%s %s), context %d, block size %d, %d blocks",
-        info.model_name, info.backend_name, info.backend_version, info.context_length,
-        info.kv_block_size, info.total_kv_blocks,
+        info.model_name,
+        info.backend_name,
+        info.backend_version,
+        info.context_length,
+        info.kv_block_size,
+        info.total_kv_blocks,
     )
     if not handle._ready.done():
         handle._ready.set_result(info)

@@ -212,9 +212,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 last = out
         assert last is not None
         if len(logprobs) != len(tokens):
-            raise EngineFailed(
-                f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens"
-            )
+            raise EngineFailed(f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens")
         reason = last.finish_reason or FinishReason.ERROR
         response.finish_reason = codec.FINISH_REASONS[reason]
         match = codec.stop_match(last.stop_reason) if reason is FinishReason.STOP else None

@@ -42,9 +42,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 def committed_files() -> list[Path]:
     return sorted(
-        p
-        for p in (ROOT / "engine_contract").rglob("*")
-        if p.name.endswith(GENERATED_SUFFIXES)
+        p for p in (ROOT / "engine_contract").rglob("*") if p.name.endswith(GENERATED_SUFFIXES)
     )
 
 
@@ -60,17 +58,22 @@ def main() -> int:
             stale = sorted(
                 str(rel)
                 for rel in fresh.keys() | current.keys()
-                if rel not in fresh or rel not in current
+                if rel not in fresh
+                or rel not in current
                 or not filecmp.cmp(fresh[rel], current[rel], shallow=False)
             )
             if stale:
                 for rel in stale:
                     new = fresh[Path(rel)].read_text().splitlines() if Path(rel) in fresh else []
-                    old = current[Path(rel)].read_text().splitlines() if Path(rel) in current else []
+                    old = (
+                        current[Path(rel)].read_text().splitlines() if Path(rel) in current else []
+                    )
                     sys.stderr.writelines(
                         line + "\n" for line in difflib.unified_diff(old, new, rel, rel, n=1)
                     )
-                print(f"stale generated stubs: {', '.join(stale)}; run `make proto`", file=sys.stderr)
+                print(
+                    f"stale generated stubs: {', '.join(stale)}; run `make proto`", file=sys.stderr
+                )
                 return 1
             print(f"stubs current ({len(fresh)} files)")
             return 0

@@ -69,7 +69,7 @@ class ServerProcess:
         self.ready_file = log_path.with_suffix(".addr")
         self.ready_file.unlink(missing_ok=True)
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine_server", *args, "--ready-file", str(self.ready_file)],
             cwd=ROOT,
@@ -86,8 +86,9 @@ class ServerProcess:
                 self.address = self.ready_file.read_text().strip()
                 return self.address
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine server exited with {self.proc.returncode}:\n"
-                                   f"{self.log_text()}")
+                raise RuntimeError(
+                    f"engine server exited with {self.proc.returncode}:\n{self.log_text()}"
+                )
             time.sleep(0.05)
         raise TimeoutError(f"engine server not ready in {timeout}s:\n{self.log_text()}")
 

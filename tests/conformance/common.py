@@ -50,20 +50,20 @@ async def collect(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest) 
     return result
 
 
-def long_generate(info: pb.GetServerInfoResponse, request_id: str, seed: int = 0,
-                  max_tokens: int = 400) -> pb.GenerateRequest:
+def long_generate(
+    info: pb.GetServerInfoResponse, request_id: str, seed: int = 0, max_tokens: int = 400
+) -> pb.GenerateRequest:
     """A request that runs for hundreds of decode steps (EOS ignored)."""
-    request = pb.GenerateRequest(
-        request_id=request_id, prompt_token_ids=make_prompt(info, 8, seed)
-    )
+    request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=make_prompt(info, 8, seed))
     room = info.engine_config.context_length - 8
     request.stop.max_tokens = min(max_tokens, room)
     request.stop.ignore_eos = True
     return request
 
 
-async def wait_load(stub: pb_grpc.EngineServiceStub, predicate, timeout: float = 5.0
-                    ) -> pb.GetLoadResponse:  # type: ignore[no-untyped-def]
+async def wait_load(
+    stub: pb_grpc.EngineServiceStub, predicate, timeout: float = 5.0
+) -> pb.GetLoadResponse:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while True:
         load = await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
@@ -73,5 +73,6 @@ async def wait_load(stub: pb_grpc.EngineServiceStub, predicate, timeout: float =
 
 
 def idle(load: pb.GetLoadResponse) -> bool:
-    return load.running_requests == 0 and load.waiting_requests == 0 and \
-        load.registered_requests == 0
+    return (
+        load.running_requests == 0 and load.waiting_requests == 0 and load.registered_requests == 0
+    )

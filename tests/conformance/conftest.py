@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from servers import InProcessServer, ServerProcess, sim_cli_args, tiny_model_dir
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from servers import InProcessServer, ServerProcess, sim_cli_args, tiny_model_dir
 
 # Sim settings shared by both sim servers: a decode pace slow enough that
 # cancellation and abort tests catch requests mid-way, and a small message
@@ -43,11 +43,16 @@ def _start_inproc_sim(model: Path) -> InProcessServer:
 
 def _sim_args(model: Path) -> list[str]:
     return sim_cli_args(
-        "--model", str(model),
-        "--decode-step-ms", str(SIM_DECODE_STEP_MS),
-        "--max-message-bytes", str(MAX_MESSAGE_BYTES),
-        "--max-new-tokens", "64",
-        "--routed-experts", "4,2,8",
+        "--model",
+        str(model),
+        "--decode-step-ms",
+        str(SIM_DECODE_STEP_MS),
+        "--max-message-bytes",
+        str(MAX_MESSAGE_BYTES),
+        "--max-new-tokens",
+        "64",
+        "--routed-experts",
+        "4,2,8",
     )
 
 
@@ -86,8 +91,10 @@ def server_info(engine_address: str) -> pb.GetServerInfoResponse:
 async def stub(engine_address: str) -> AsyncIterator[pb_grpc.EngineServiceStub]:
     async with grpc.aio.insecure_channel(
         engine_address,
-        options=[("grpc.max_send_message_length", 64 * 1024 * 1024),
-                 ("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+        options=[
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ],
     ) as channel:
         yield pb_grpc.EngineServiceStub(channel)
 

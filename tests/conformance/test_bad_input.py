@@ -28,38 +28,53 @@ def generate(info: Info, mutate: Callable[[pb.GenerateRequest], object]) -> pb.G
 ROLLOUT_CASES: dict[str, tuple[Callable[[Info], pb.RolloutRequest], str]] = {
     "empty prompt": (lambda i: rollout(i, prompt_token_ids=[]), "prompt_token_ids"),
     "negative token id": (lambda i: rollout(i, prompt_token_ids=[5, -1]), "prompt_token_ids[1]"),
-    "token id = vocab size": (lambda i: rollout(i, prompt_token_ids=[5, i.vocab_size]),
-                              "prompt_token_ids[1]"),
+    "token id = vocab size": (
+        lambda i: rollout(i, prompt_token_ids=[5, i.vocab_size]),
+        "prompt_token_ids[1]",
+    ),
     "prompt longer than context": (
         lambda i: rollout(i, prompt_token_ids=[5] * (i.engine_config.context_length + 1)),
-        "prompt_token_ids"),
+        "prompt_token_ids",
+    ),
     "negative max_new_tokens": (lambda i: rollout(i, max_new_tokens=-1), "max_new_tokens"),
     "max_new_tokens past the context": (
-        lambda i: rollout(i, max_new_tokens=i.engine_config.context_length + 1), "max_new_tokens"),
+        lambda i: rollout(i, max_new_tokens=i.engine_config.context_length + 1),
+        "max_new_tokens",
+    ),
     "empty stop string": (lambda i: rollout(i, stop_strings=["ok", ""]), "stop_strings[1]"),
     "too many stop strings": (
         lambda i: rollout(i, stop_strings=[f"s{n}" for n in range(i.limits.max_stop_strings + 1)]),
-        "stop_strings"),
+        "stop_strings",
+    ),
     "empty request id": (lambda i: rollout(i, request_id=""), "request_id"),
     "request id too long": (
         lambda i: rollout(i, request_id="x" * (i.limits.max_request_id_length + 1)),
-        "request_id"),
+        "request_id",
+    ),
     "unknown enum value": (lambda i: rollout(i, routed_experts=99), "routed_experts"),
 }
 
 GENERATE_CASES: dict[str, tuple[Callable[[pb.GenerateRequest], object], str]] = {
     "negative max_tokens": (lambda r: setattr(r.stop, "max_tokens", -5), "stop.max_tokens"),
-    "max_tokens past the context": (lambda r: setattr(r.stop, "max_tokens", 10**9),
-                                    "stop.max_tokens"),
-    "negative temperature": (lambda r: setattr(r.sampling, "temperature", -1.0),
-                             "sampling.temperature"),
+    "max_tokens past the context": (
+        lambda r: setattr(r.stop, "max_tokens", 10**9),
+        "stop.max_tokens",
+    ),
+    "negative temperature": (
+        lambda r: setattr(r.sampling, "temperature", -1.0),
+        "sampling.temperature",
+    ),
     "top_p zero": (lambda r: setattr(r.sampling, "top_p", 0.0), "sampling.top_p"),
-    "stop token out of vocabulary": (lambda r: r.stop.stop_token_ids.append(-3),
-                                     "stop.stop_token_ids[0]"),
+    "stop token out of vocabulary": (
+        lambda r: r.stop.stop_token_ids.append(-3),
+        "stop.stop_token_ids[0]",
+    ),
     "empty stop string": (lambda r: r.stop.stop_strings.append(""), "stop.stop_strings[0]"),
     "too many top logprobs": (lambda r: setattr(r.output, "logprobs", 10**6), "output.logprobs"),
-    "unknown enum value": (lambda r: setattr(r.output, "routed_experts", 42),
-                           "output.routed_experts"),
+    "unknown enum value": (
+        lambda r: setattr(r.output, "routed_experts", 42),
+        "output.routed_experts",
+    ),
 }
 
 

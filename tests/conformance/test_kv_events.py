@@ -31,11 +31,12 @@ class Subscriber:
                 kind = event.WhichOneof("event")
                 if kind == "stored":
                     stored = event.stored
-                    parent = stored.parent_block_hash if stored.HasField(
-                        "parent_block_hash") else None
+                    parent = (
+                        stored.parent_block_hash if stored.HasField("parent_block_hash") else None
+                    )
                     size = stored.block_size
                     for i, block_hash in enumerate(stored.block_hashes):
-                        self.blocks[block_hash] = tuple(stored.token_ids[i * size:(i + 1) * size])
+                        self.blocks[block_hash] = tuple(stored.token_ids[i * size : (i + 1) * size])
                         self.parents[block_hash] = parent
                         parent = block_hash
                 elif kind == "removed":
@@ -51,6 +52,7 @@ class Subscriber:
             while not predicate():
                 self.changed.clear()
                 await self.changed.wait()
+
         await asyncio.wait_for(loop(), timeout)
 
     def live(self) -> list[pb.KvEventBatch]:
@@ -61,18 +63,26 @@ class Subscriber:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def run_prompts(stub, info: pb.GetServerInfoResponse, blocks: int, seeds: range) -> list[
-        list[int]]:  # type: ignore[no-untyped-def]
+async def run_prompts(
+    stub, info: pb.GetServerInfoResponse, blocks: int, seeds: range
+) -> list[list[int]]:  # type: ignore[no-untyped-def]
     size = info.engine_config.kv_block_size
     prompts = [make_prompt(info, blocks * size + 3, seed) for seed in seeds]
-    await asyncio.gather(*(stub.Rollout(pb.RolloutRequest(
-        request_id=new_id("kv"), prompt_token_ids=p, greedy=True, max_new_tokens=2))
-        for p in prompts))
+    await asyncio.gather(
+        *(
+            stub.Rollout(
+                pb.RolloutRequest(
+                    request_id=new_id("kv"), prompt_token_ids=p, greedy=True, max_new_tokens=2
+                )
+            )
+            for p in prompts
+        )
+    )
     return prompts
 
 
 def prompt_stored(sub: Subscriber, prompt: list[int], size: int, blocks: int) -> bool:
-    wanted = {tuple(prompt[i * size:(i + 1) * size]) for i in range(blocks)}
+    wanted = {tuple(prompt[i * size : (i + 1) * size]) for i in range(blocks)}
     return wanted <= set(sub.blocks.values())
 
 
@@ -84,7 +94,7 @@ async def test_stored_blocks_chain_and_sequence_numbers(stub, server_info) -> No
         await sub.wait_for(lambda: prompt_stored(sub, prompt, size, 3))
         # The prompt's blocks form a chain: each one's parent is the previous.
         by_tokens = {tokens: h for h, tokens in sub.blocks.items()}
-        chain = [by_tokens[tuple(prompt[i * size:(i + 1) * size])] for i in range(3)]
+        chain = [by_tokens[tuple(prompt[i * size : (i + 1) * size])] for i in range(3)]
         assert sub.parents[chain[1]] == chain[0] and sub.parents[chain[2]] == chain[1]
         seqs = [b.sequence_number for b in sub.batches]
         snapshot_seq = sub.batches[0].sequence_number
@@ -105,8 +115,11 @@ async def test_snapshot_plus_live_equals_a_later_snapshot(stub, server_info) -> 
         probe = pb.SubscribeKvEventsRequest(include_snapshot=True)
         for _ in range(50):
             later = Subscriber(stub, probe)
-            await later.wait_for(lambda later=later: any(
-                b.snapshot.last for b in later.batches if b.HasField("snapshot")))
+            await later.wait_for(
+                lambda later=later: any(
+                    b.snapshot.last for b in later.batches if b.HasField("snapshot")
+                )
+            )
             await later.close()
             snapshot_seq = later.batches[0].sequence_number
             # Compare at the same position: wait until the first subscriber got there.
@@ -127,12 +140,20 @@ async def test_resume_from_sequence_number_replays_exactly(stub, server_info) ->
         await run_prompts(stub, server_info, 2, range(940, 944))
         await sub.wait_for(lambda: len(sub.batches) >= 2)
         start = sub.batches[1].sequence_number
-        resumed = Subscriber(stub, pb.SubscribeKvEventsRequest(
-            start_sequence_number=start, expected_instance_id=server_info.instance_id))
+        resumed = Subscriber(
+            stub,
+            pb.SubscribeKvEventsRequest(
+                start_sequence_number=start, expected_instance_id=server_info.instance_id
+            ),
+        )
         await run_prompts(stub, server_info, 2, range(944, 946))
-        await resumed.wait_for(lambda: resumed.batches and sub.batches and
-                               resumed.batches[-1].sequence_number
-                               >= sub.batches[-1].sequence_number)
+        await resumed.wait_for(
+            lambda: (
+                resumed.batches
+                and sub.batches
+                and resumed.batches[-1].sequence_number >= sub.batches[-1].sequence_number
+            )
+        )
         await resumed.close()
         by_seq = {b.sequence_number: b for b in sub.batches}
         got = resumed.batches
@@ -146,8 +167,9 @@ async def test_resume_from_sequence_number_replays_exactly(stub, server_info) ->
 
 
 @pytest.mark.parametrize("position", ["future", "other instance"])
-async def test_unservable_position_is_an_error_or_a_snapshot(stub, server_info,
-                                                            position: str) -> None:  # type: ignore[no-untyped-def]
+async def test_unservable_position_is_an_error_or_a_snapshot(
+    stub, server_info, position: str
+) -> None:  # type: ignore[no-untyped-def]
     request = pb.SubscribeKvEventsRequest(start_sequence_number=1)
     if position == "future":
         request.start_sequence_number = 2**62
@@ -179,6 +201,7 @@ async def test_reset_prefix_cache_emits_all_cleared(stub, server_info) -> None: 
 
         def cleared() -> bool:
             return any(e.WhichOneof("event") == "cleared" for b in sub.batches for e in b.events)
+
         await sub.wait_for(cleared)
         assert not prompt_stored(sub, prompt, size, 2)
     finally:

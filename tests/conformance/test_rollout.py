@@ -10,18 +10,27 @@ from common import collect, make_prompt, new_id, wait_load
 
 from engine_contract.v1 import engine_pb2 as pb
 
-DTYPE_SIZES = {pb.TENSOR_DTYPE_UINT8: 1, pb.TENSOR_DTYPE_INT8: 1, pb.TENSOR_DTYPE_UINT16: 2,
-               pb.TENSOR_DTYPE_INT16: 2, pb.TENSOR_DTYPE_INT32: 4, pb.TENSOR_DTYPE_INT64: 8}
+DTYPE_SIZES = {
+    pb.TENSOR_DTYPE_UINT8: 1,
+    pb.TENSOR_DTYPE_INT8: 1,
+    pb.TENSOR_DTYPE_UINT16: 2,
+    pb.TENSOR_DTYPE_INT16: 2,
+    pb.TENSOR_DTYPE_INT32: 4,
+    pb.TENSOR_DTYPE_INT64: 8,
+}
 
 
-def rollout(info: pb.GetServerInfoResponse, length: int = 12, seed: int = 1,
-            **kw: object) -> pb.RolloutRequest:
-    return pb.RolloutRequest(request_id=new_id("ro"), prompt_token_ids=make_prompt(
-        info, length, seed), **kw)  # type: ignore[arg-type]
+def rollout(
+    info: pb.GetServerInfoResponse, length: int = 12, seed: int = 1, **kw: object
+) -> pb.RolloutRequest:
+    return pb.RolloutRequest(
+        request_id=new_id("ro"), prompt_token_ids=make_prompt(info, length, seed), **kw
+    )  # type: ignore[arg-type]
 
 
-def check_consistent(request: pb.RolloutRequest, answer: pb.RolloutResponse,
-                     info: pb.GetServerInfoResponse) -> None:
+def check_consistent(
+    request: pb.RolloutRequest, answer: pb.RolloutResponse, info: pb.GetServerInfoResponse
+) -> None:
     assert answer.request_id == request.request_id
     assert answer.instance_id == info.instance_id
     assert len(answer.logprobs) == len(answer.token_ids)
@@ -58,8 +67,9 @@ async def test_greedy_rollout_equals_generate_with_native_parameters(stub, serve
     request = rollout(server_info, length=20, seed=7, greedy=True, max_new_tokens=24)
     answer = await stub.Rollout(request)
     defaults = server_info.generation_defaults
-    generate = pb.GenerateRequest(request_id=new_id("gen"),
-                                  prompt_token_ids=request.prompt_token_ids)
+    generate = pb.GenerateRequest(
+        request_id=new_id("gen"), prompt_token_ids=request.prompt_token_ids
+    )
     generate.sampling.temperature = 0.0
     generate.sampling.top_k = 1
     generate.sampling.top_p = defaults.top_p
@@ -120,12 +130,16 @@ async def test_stop_string_is_kept_in_the_output(stub, server_info, tokenizer) -
         text = tokenizer.decode(tokens)
         # A stop string taken from the middle of the text the model will produce.
         cut = tokenizer.decode(tokens[:4])
-        stop = text[len(cut):len(cut) + 3]
+        stop = text[len(cut) : len(cut) + 3]
         if len(tokens) < 8 or len(stop.strip()) < 2 or stop in cut:
             continue
-        request = pb.RolloutRequest(request_id=new_id("ro"), prompt_token_ids=base.prompt_token_ids,
-                                    greedy=True, max_new_tokens=24, stop_strings=["never-seen!",
-                                                                                  stop])
+        request = pb.RolloutRequest(
+            request_id=new_id("ro"),
+            prompt_token_ids=base.prompt_token_ids,
+            greedy=True,
+            max_new_tokens=24,
+            stop_strings=["never-seen!", stop],
+        )
         answer = await stub.Rollout(request)
         check_consistent(request, answer, server_info)
         assert answer.finish_reason == pb.FINISH_REASON_STOP
@@ -152,8 +166,9 @@ async def test_routed_experts_when_available(stub, server_info) -> None:  # type
     rows = len(request.prompt_token_ids) + len(answer.token_ids) - 1
     assert len(experts.shape) == 3 and experts.shape[0] == rows
     assert experts.dtype in DTYPE_SIZES
-    assert len(experts.data) == rows * experts.shape[1] * experts.shape[2] * DTYPE_SIZES[
-        experts.dtype]
+    assert (
+        len(experts.data) == rows * experts.shape[1] * experts.shape[2] * DTYPE_SIZES[experts.dtype]
+    )
     stats = answer.r3_stats
     assert (stats.expected_routes, stats.actual_routes) == (rows, rows)
     assert stats.missing_routes == stats.surplus_routes == 0
@@ -165,8 +180,9 @@ async def test_routed_experts_when_available(stub, server_info) -> None:  # type
 
 
 async def test_concurrent_rollouts_all_complete(stub, server_info) -> None:  # type: ignore[no-untyped-def]
-    requests = [rollout(server_info, seed=300 + i, greedy=i % 2 == 0, max_new_tokens=12)
-                for i in range(32)]
+    requests = [
+        rollout(server_info, seed=300 + i, greedy=i % 2 == 0, max_new_tokens=12) for i in range(32)
+    ]
     answers = await asyncio.gather(*(stub.Rollout(r) for r in requests))
     for request, answer in zip(requests, answers, strict=True):
         check_consistent(request, answer, server_info)

@@ -32,7 +32,8 @@ def inproc(*extra: str) -> InProcessServer:
 def health_status(address: str, service: str = engine_contract.SERVICE_NAME) -> int:
     with grpc.insecure_channel(address) as channel:
         answer = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5)
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
         return answer.status
 
 
@@ -51,9 +52,10 @@ def test_not_serving_until_the_engine_is_ready() -> None:
         assert health_status(address, "") == NOT_SERVING
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
-            for call, request in ((stub.GetServerInfo, pb.GetServerInfoRequest()),
-                                  (stub.Rollout, pb.RolloutRequest(request_id="early",
-                                                                   prompt_token_ids=[5]))):
+            for call, request in (
+                (stub.GetServerInfo, pb.GetServerInfoRequest()),
+                (stub.Rollout, pb.RolloutRequest(request_id="early", prompt_token_ids=[5])),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call(request, timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -71,12 +73,18 @@ def test_drain_finishes_short_requests_aborts_long_ones_and_refuses_new() -> Non
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
-            short = asyncio.ensure_future(stub.Rollout(pb.RolloutRequest(
-                request_id="short", prompt_token_ids=[5, 6], max_new_tokens=20)))
+            short = asyncio.ensure_future(
+                stub.Rollout(
+                    pb.RolloutRequest(
+                        request_id="short", prompt_token_ids=[5, 6], max_new_tokens=20
+                    )
+                )
+            )
             long = stub.Generate(long_request("long", 4000))
             await long.read()
-            stopping = asyncio.ensure_future(asyncio.wrap_future(server.submit(
-                server.handle.stop())))
+            stopping = asyncio.ensure_future(
+                asyncio.wrap_future(server.submit(server.handle.stop()))
+            )
             await asyncio.sleep(0.2)
             health = health_pb2_grpc.HealthStub(channel)
             status = await health.Check(health_pb2.HealthCheckRequest(service=""))
@@ -88,7 +96,7 @@ def test_drain_finishes_short_requests_aborts_long_ones_and_refuses_new() -> Non
             answer = await short
             assert answer.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
             last = None
-            async for message in long:
+            while (message := await long.read()) != grpc.aio.EOF:
                 last = message
             assert last is not None and last.finished.finish_reason == pb.FINISH_REASON_ABORTED
             await stopping
@@ -101,8 +109,9 @@ def test_drain_finishes_short_requests_aborts_long_ones_and_refuses_new() -> Non
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
-    proc = ServerProcess(sim_cli_args("--decode-step-ms", "5", "--grace-period-s", "1"),
-                         tmp_path / "server.log")
+    proc = ServerProcess(
+        sim_cli_args("--decode-step-ms", "5", "--grace-period-s", "1"), tmp_path / "server.log"
+    )
     address = proc.wait_ready()
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.EngineServiceStub(channel)
@@ -124,7 +133,8 @@ def test_unix_socket(tmp_path: Path) -> None:
         with grpc.insecure_channel(server.address) as channel:
             answer = pb_grpc.EngineServiceStub(channel).Rollout(
                 pb.RolloutRequest(request_id="u", prompt_token_ids=[5, 6], max_new_tokens=3),
-                timeout=10)
+                timeout=10,
+            )
         assert 1 <= len(answer.token_ids) <= 3
     finally:
         server.stop()
@@ -133,11 +143,15 @@ def test_unix_socket(tmp_path: Path) -> None:
 def test_non_loopback_listen_is_refused_unless_allowed(tmp_path: Path) -> None:
     refused = subprocess.run(
         [sys.executable, "-m", "engine_server", "--backend", "sim", "--listen", "0.0.0.0:0"],
-        capture_output=True, text=True, timeout=60)
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2
     assert "non-loopback" in refused.stderr and "--allow-remote" in refused.stderr
-    proc = ServerProcess(["--backend", "sim", "--listen", "0.0.0.0:0", "--allow-remote"],
-                         tmp_path / "server.log")
+    proc = ServerProcess(
+        ["--backend", "sim", "--listen", "0.0.0.0:0", "--allow-remote"], tmp_path / "server.log"
+    )
     try:
         address = proc.wait_ready()
         port = address.rsplit(":", 1)[1]
@@ -151,7 +165,10 @@ def test_port_in_use_is_a_clear_error() -> None:
     try:
         taken = subprocess.run(
             [sys.executable, "-m", "engine_server", "--listen", server.address],
-            capture_output=True, text=True, timeout=60)
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert taken.returncode == 2 and "cannot listen" in taken.stderr
     finally:
         server.stop()

@@ -23,15 +23,55 @@ def openssl(*args: str, cwd: Path) -> None:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, a server certificate for 127.0.0.1/localhost, and a client certificate."""
     d = tmp_path_factory.mktemp("pki")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-            "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext",
-                cwd=d)
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -46,7 +86,8 @@ def start(pki: Path, client_ca: bool) -> InProcessServer:
 def info(address: str, credentials: grpc.ChannelCredentials) -> pb.GetServerInfoResponse:
     with grpc.secure_channel(address, credentials) as channel:
         return pb_grpc.EngineServiceStub(channel).GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=5)
+            pb.GetServerInfoRequest(), timeout=5
+        )
 
 
 def test_tls_server_certificate(pki: Path) -> None:
@@ -67,7 +108,8 @@ def test_tls_client_certificates_required_when_configured(pki: Path) -> None:
         with pytest.raises(grpc.RpcError):
             info(server.address, grpc.ssl_channel_credentials(ca))
         with_cert = grpc.ssl_channel_credentials(
-            ca, (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes())
+            ca, (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes()
+        )
         assert info(server.address, with_cert).instance_id
     finally:
         server.stop()

@@ -11,12 +11,21 @@ from engine_server.config import GenerationDefaults, Limits
 from engine_server.errors import InvalidRequest
 
 INFO = EngineInfo(
-    model_name="m", model_path="/m", context_length=64, kv_block_size=16, total_kv_blocks=64,
-    max_running_sequences=8, max_batched_tokens=256, eos_token_ids=(2,), vocab_size=100,
-    backend_name="test", backend_version="0",
+    model_name="m",
+    model_path="/m",
+    context_length=64,
+    kv_block_size=16,
+    total_kv_blocks=64,
+    max_running_sequences=8,
+    max_batched_tokens=256,
+    eos_token_ids=(2,),
+    vocab_size=100,
+    backend_name="test",
+    backend_version="0",
 )
-DEFAULTS = resolve_defaults(GenerationDefaults(temperature=0.7, top_p=0.9, top_k=50,
-                                               max_new_tokens=20), INFO)
+DEFAULTS = resolve_defaults(
+    GenerationDefaults(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=20), INFO
+)
 LIMITS = Limits(max_stop_strings=2)
 
 
@@ -49,8 +58,9 @@ def test_sampled_rollout_uses_server_defaults() -> None:
     ("prompt_len", "max_new", "budget"),
     [(3, None, 20), (50, None, 14), (64, None, 0), (10, 5, 5), (10, 0, 0), (60, 64, 4)],
 )
-def test_budget_is_clamped_to_the_context(prompt_len: int, max_new: int | None,
-                                          budget: int) -> None:
+def test_budget_is_clamped_to_the_context(
+    prompt_len: int, max_new: int | None, budget: int
+) -> None:
     request = rollout(prompt_token_ids=[1] * prompt_len)
     if max_new is not None:
         request.max_new_tokens = max_new

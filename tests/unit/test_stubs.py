@@ -11,8 +11,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_check(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(root / "scripts" / "gen_proto.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / "gen_proto.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_committed_stubs_are_current() -> None:
@@ -22,11 +26,13 @@ def test_committed_stubs_are_current() -> None:
 
 def test_a_stale_stub_is_detected(tmp_path: Path) -> None:
     for part in ("proto", "engine_contract", "scripts"):
-        shutil.copytree(ROOT / part, tmp_path / part,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     proto = tmp_path / "proto" / "engine_contract" / "v1" / "engine.proto"
-    proto.write_text(proto.read_text().replace(
-        "message GetLoadRequest {}", "message GetLoadRequest {\n  bool verbose = 1;\n}"))
+    proto.write_text(
+        proto.read_text().replace(
+            "message GetLoadRequest {}", "message GetLoadRequest {\n  bool verbose = 1;\n}"
+        )
+    )
     result = run_check(tmp_path)
     assert result.returncode == 1
     assert "stale generated stubs" in result.stderr and "make proto" in result.stderr

@@ -154,4 +154,4 @@ def _int_list_arg(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None

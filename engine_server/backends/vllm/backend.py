@@ -61,6 +61,7 @@ _REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError)
 class _SchedulerView:
     """Latest scheduler counters, fed by a stat logger (owned engines only)."""
 
+    running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
 
@@ -78,6 +79,7 @@ def _stat_logger_factory(view: _SchedulerView) -> Any:
             engine_idx: int = 0,
         ) -> None:
             if scheduler_stats is not None:
+                view.running = scheduler_stats.num_running_reqs
                 view.waiting = scheduler_stats.num_waiting_reqs
                 view.kv_usage = scheduler_stats.kv_cache_usage
 
@@ -100,6 +102,8 @@ class VllmBackend(EngineBackend):
         self._view = _SchedulerView()
         self._info: EngineInfo | None = None
         self._closed = False
+        # Requests in generate(), by id: True once abort() was asked for.
+        self._live: dict[str, bool] = {}
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -132,6 +136,7 @@ class VllmBackend(EngineBackend):
         self._view = _SchedulerView()
         self._info = None
         self._closed = False
+        self._live = {}
         return self
 
     @property
@@ -139,6 +144,11 @@ class VllmBackend(EngineBackend):
         if self._engine is None:
             raise base.EngineDeadError("the vLLM engine is not started")
         return self._engine
+
+    @property
+    def scheduler_counts(self) -> tuple[int, int]:
+        """(running, waiting) as vLLM's scheduler last reported (owned engines)."""
+        return self._view.running, self._view.waiting
 
     @property
     def kv_subscriber(self) -> KvEventSubscriber | None:
@@ -233,11 +243,17 @@ class VllmBackend(EngineBackend):
         except _REQUEST_ERRORS as e:
             raise base.EngineRequestError(str(e)) from e
         conv = OutputConverter(spec, len(prompt_token_ids))
-        stream = engine.generate(
-            TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id
-        )
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        stream = engine.generate(prompt, params, request_id)
+        self._live[request_id] = False
+        reaborted = False
         try:
             async for out in stream:
+                if self._live.get(request_id) and not out.finished and not reaborted:
+                    # abort() came while vLLM was still registering the request
+                    # (its abort of an unknown id is a no-op): repeat it now.
+                    reaborted = True
+                    await engine.abort(request_id)
                 yield conv.convert(out)
         except VllmEngineDeadError as e:
             raise base.EngineDeadError(str(e)) from e
@@ -250,6 +266,7 @@ class VllmBackend(EngineBackend):
                 raise base.EngineDeadError(str(e)) from e
             raise
         finally:
+            self._live.pop(request_id, None)
             # Closing vLLM's stream aborts its request (it handles GeneratorExit);
             # the explicit abort covers every other way out before the end.
             await stream.aclose()
@@ -258,6 +275,10 @@ class VllmBackend(EngineBackend):
                     await engine.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Abort in vLLM; an abort that races the request's registration in vLLM
+        is repeated by ``generate`` as soon as the request's first output comes."""
+        if request_id in self._live:
+            self._live[request_id] = True
         if self._engine is not None:
             await self._engine.abort(request_id)
 

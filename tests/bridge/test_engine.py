@@ -1,0 +1,183 @@
+"""BridgeEngine against an in-process fake engine server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from bridge_fakes import FakeEngine, FakeServer
+from dynamo._core import Context
+from dynamo.common.backend.publisher import PushSource
+from dynamo.llm.exceptions import Disconnected, InvalidArgument
+
+import engine_contract
+from bridge.client import EngineNotReadyError, IncompatibleServerError
+from bridge.config import BridgeConfig
+from bridge.engine import BridgeEngine
+
+
+def bridge_for(address: str, timeout: float = 5.0) -> BridgeEngine:
+    return BridgeEngine(BridgeConfig(engine_address=address, model_path="/m",
+                                     connect_timeout_s=timeout))
+
+
+async def collect(engine: BridgeEngine, request: dict[str, Any], ctx: Context) -> list[dict]:
+    return [chunk async for chunk in engine.generate(request, context=ctx)]
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[FakeServer, BridgeEngine]]:
+    async with FakeServer() as server:
+        engine = bridge_for(server.address)
+        await engine.start(worker_id=1)
+        yield server, engine
+        await engine.cleanup()
+
+
+async def test_start_registers_the_engine_configuration(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    _, engine = served
+    config = await engine.start(worker_id=1)
+    assert config.model == "/m" and config.served_model_name == "fake-model"
+    llm = config.llm
+    assert llm is not None
+    assert (llm.context_length, llm.kv_cache_block_size, llm.total_kv_blocks, llm.max_num_seqs,
+            llm.max_num_batched_tokens) == (512, 4, 100, 8, 256)
+
+
+async def test_old_server_refused_with_a_clear_message() -> None:
+    async with FakeServer(FakeEngine(contract_revision=0)) as server:
+        engine = bridge_for(server.address)
+        with pytest.raises(IncompatibleServerError, match="upgrade the engine server"):
+            await engine.start(worker_id=1)
+        await engine.cleanup()
+        await engine.cleanup()
+
+
+async def test_server_that_needs_a_newer_bridge_refused() -> None:
+    fake = FakeEngine(minimum_client_revision=engine_contract.CONTRACT_REVISION + 1)
+    async with FakeServer(fake) as server:
+        engine = bridge_for(server.address)
+        with pytest.raises(IncompatibleServerError, match="refused this bridge"):
+            await engine.start(worker_id=1)
+        await engine.cleanup()
+
+
+async def test_cleanup_after_failed_start_and_twice() -> None:
+    engine = bridge_for("127.0.0.1:1", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(EngineNotReadyError, match="not ready after"):
+        await engine.start(worker_id=1)
+    assert time.monotonic() - started < 5
+    await engine.cleanup()
+    await engine.cleanup()
+    never_started = bridge_for("127.0.0.1:1")
+    await never_started.cleanup()
+
+
+async def test_rollout_is_one_chunk_with_engine_data(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    server, engine = served
+    request = {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 2},
+               "annotations": ['rollout:{"greedy":true,"request_id":"mine"}']}
+    chunks = await collect(engine, request, Context(id="ctx-1"))
+    assert len(chunks) == 1
+    chunk = chunks[0]
+    assert chunk["token_ids"] == [] and chunk["finish_reason"] == "length"
+    data = chunk["engine_data"]["rollout"]
+    assert data["token_ids"] == [6, 7] and data["logprobs"] == [-0.5, -1.0]
+    sent = server.engine.rollouts[0]
+    assert sent.request_id == "mine" and sent.greedy and sent.max_new_tokens == 2
+
+
+async def test_ordinary_completion_streams(served: tuple[FakeServer, BridgeEngine]) -> None:
+    server, engine = served
+    chunks = await collect(engine, {"token_ids": [1, 2], "output_options": {"logprobs": 0}},
+                           Context(id="ctx-2"))
+    assert [c["token_ids"] for c in chunks] == [[10], [11], [12], [13], []]
+    assert chunks[0]["log_probs"] == [-1.0]
+    assert chunks[-1]["finish_reason"] == "length"
+    assert chunks[-1]["completion_usage"]["completion_tokens"] == 4
+    assert server.engine.generates[0].request_id == "ctx-2"
+    assert server.engine.generates[0].output.logprobs == 0
+
+
+async def test_bad_annotation_and_engine_invalid_argument(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    server, engine = served
+    with pytest.raises(InvalidArgument, match="unknown keys"):
+        await collect(engine, {"token_ids": [1], "annotations": ['rollout:{"x":1}']},
+                      Context(id="c"))
+    server.engine.fail_with = (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0] too big")
+    with pytest.raises(InvalidArgument, match=r"prompt_token_ids\[0\] too big"):
+        await collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, Context(id="d"))
+
+
+async def test_abort_cancels_and_tells_the_engine(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    server, engine = served
+    server.engine.hold_rollout = True
+    ctx = Context(id="ctx-abort")
+    task = asyncio.create_task(collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]},
+                                       ctx))
+    for _ in range(200):
+        if server.engine.running:
+            break
+        await asyncio.sleep(0.01)
+    assert server.engine.running == {"ctx-abort"}
+    ctx.stop_generating()
+    await engine.abort(ctx)
+    chunks = await asyncio.wait_for(task, 5)
+    assert chunks[-1]["finish_reason"] == "cancelled"
+    assert [(a.request_id, a.instance_id) for a in server.engine.aborts] == [
+        ("ctx-abort", "inst-1")]
+    for _ in range(200):
+        if not server.engine.running:
+            break
+        await asyncio.sleep(0.01)
+    assert not server.engine.running
+    assert engine.inflight_request_ids() == []
+
+
+async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
+    server = FakeServer(FakeEngine(generate_tokens=1000, generate_delay_s=0.01))
+    await server.__aenter__()
+    engine = bridge_for(server.address)
+    await engine.start(worker_id=1)
+    try:
+        gen = engine.generate({"token_ids": [1]}, context=Context(id="x"))
+        first = await gen.__anext__()
+        assert first["token_ids"] == [10]
+        await server.server.stop(grace=None)
+        with pytest.raises(Disconnected):
+            async with asyncio.timeout(10):
+                async for _ in gen:
+                    pass
+        # And a new request fails fast too.
+        with pytest.raises(Disconnected):
+            async with asyncio.timeout(10):
+                await collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]},
+                              Context(id="y"))
+    finally:
+        await engine.cleanup()
+
+
+async def test_kv_event_source_and_cleanup(served: tuple[FakeServer, BridgeEngine]) -> None:
+    server, engine = served
+    sources = await engine.kv_event_sources()
+    assert len(sources) == 1 and isinstance(sources[0], PushSource)
+    for _ in range(200):
+        if server.engine.kv_requests:
+            break
+        await asyncio.sleep(0.01)
+    assert server.engine.kv_requests[0].include_snapshot
+    await engine.cleanup()
+    await engine.cleanup()

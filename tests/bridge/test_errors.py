@@ -1,0 +1,57 @@
+"""Engine-server failures -> Dynamo exception types."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from dynamo.llm.exceptions import (
+    Cancelled,
+    ConnectionTimeout,
+    Disconnected,
+    EngineShutdown,
+    InvalidArgument,
+    Unknown,
+)
+
+from bridge import errors
+from bridge.codec import ProtocolError, RequestError
+
+# What Dynamo migrates to another worker (frontend --migration-limit > 0).
+MIGRATABLE = (Disconnected, ConnectionTimeout, EngineShutdown)
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def test_every_status_code_has_a_mapping() -> None:
+    assert set(errors.STATUS_TO_DYNAMO) == set(grpc.StatusCode)
+
+
+@pytest.mark.parametrize("code", list(grpc.StatusCode))
+def test_every_code_maps_to_a_dynamo_exception(code: grpc.StatusCode) -> None:
+    exc = errors.from_rpc_error(rpc_error(code))
+    assert isinstance(exc, errors.STATUS_TO_DYNAMO[code])
+
+
+def test_invalid_argument_keeps_the_engine_message() -> None:
+    exc = errors.from_rpc_error(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long"))
+    assert isinstance(exc, InvalidArgument) and str(exc) == "prompt too long"
+
+
+def test_lost_engine_server_is_migratable() -> None:
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        assert isinstance(errors.from_rpc_error(rpc_error(code)), MIGRATABLE)
+    assert isinstance(errors.to_dynamo(ConnectionResetError("reset")), MIGRATABLE)
+    assert isinstance(errors.to_dynamo(grpc.aio.UsageError("closed")), MIGRATABLE)
+
+
+def test_other_failures() -> None:
+    assert isinstance(errors.to_dynamo(RequestError("bad")), InvalidArgument)
+    assert isinstance(errors.to_dynamo(ProtocolError("odd")), Unknown)
+    assert isinstance(errors.to_dynamo(RuntimeError("x")), Unknown)
+    assert isinstance(errors.from_rpc_error(rpc_error(grpc.StatusCode.CANCELLED)), Cancelled)
+    same = Disconnected("gone")
+    assert errors.to_dynamo(same) is same
+    msg = str(errors.from_rpc_error(rpc_error(grpc.StatusCode.INTERNAL, "engine failed")))
+    assert "INTERNAL" in msg and "engine failed" in msg
