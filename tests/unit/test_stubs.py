@@ -36,3 +36,19 @@ def test_a_stale_stub_is_detected(tmp_path: Path) -> None:
     result = run_check(tmp_path)
     assert result.returncode == 1
     assert "stale generated stubs" in result.stderr and "make proto" in result.stderr
+
+
+def test_make_proto_is_idempotent(tmp_path: Path) -> None:
+    for part in ("proto", "engine_contract", "scripts"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    before = {p: p.read_bytes() for p in (tmp_path / "engine_contract").rglob("*_pb2*")}
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, str(tmp_path / "scripts" / "gen_proto.py")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "wrote" not in result.stdout
+    assert {p: p.read_bytes() for p in before} == before

@@ -32,6 +32,7 @@ GREEDY_EPS = 1e-5
 _LCG_MUL = 6364136223846793005
 _LCG_INC = 1442695040888963407
 _EOS_SALT = 0x454F53
+_LOGIT_SCALE = LOGIT_SPREAD / (1 << 21)
 _NEG_INF = float("-inf")
 
 # One sampled token: id, its logprob (None unless asked) and the top
@@ -107,14 +108,16 @@ class Sampler:
             ids = list(range(vocab))
             for _ in ids:
                 x = (x * _LCG_MUL + _LCG_INC) & MASK64
-                logits.append((x >> 43) * (LOGIT_SPREAD / (1 << 21)))
+                logits.append((x >> 43) * _LOGIT_SCALE)
         else:
+            # An LCG from one mixed seed: cheap, and plenty random for 8 draws.
+            # High bits pick the token, middle bits its logit.
             while len(ids) < k:
                 x = (x * _LCG_MUL + _LCG_INC) & MASK64
                 tok = ((x >> 32) * vocab) >> 32
                 if tok not in ids:
                     ids.append(tok)
-                    logits.append(((x >> 11) & 0x1FFFFF) * (LOGIT_SPREAD / (1 << 21)))
+                    logits.append(((x >> 11) & 0x1FFFFF) * _LOGIT_SCALE)
         eos = self._eos
         if eos is not None and self._eos_threshold and eos < vocab:
             if (mix64(x ^ _EOS_SALT) >> 11) < self._eos_threshold:

@@ -200,8 +200,10 @@ async def test_idle_loop_does_not_spin(make_backend):
     backend, _ = await make_backend()
     await collect(backend, "r", PROMPT, spec(5))
     steps = backend.engine.num_steps
-    await asyncio.sleep(0.02)
+    cpu = time.process_time()
+    await asyncio.sleep(0.1)
     assert backend.engine.num_steps == steps
+    assert time.process_time() - cpu < 0.05  # a spinning loop would burn the whole 0.1 s
 
 
 async def test_zero_delay_16k_tokens_is_fast(make_backend):
