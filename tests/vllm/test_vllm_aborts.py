@@ -21,7 +21,12 @@ import pytest_asyncio
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm_test_utils import wait_until
 
-from engine_server.backends.base import EngineOutput, FinishReason, SamplingSpec
+from engine_server.backends.base import (
+    EngineOutput,
+    EngineRequestError,
+    FinishReason,
+    SamplingSpec,
+)
 from engine_server.backends.vllm import VllmBackend
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
@@ -141,3 +146,10 @@ async def test_abort_before_first_token(backend: VllmBackend) -> None:
     outs = [await first] + [o async for o in stream]
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORTED
     assert backend.load().running == 0
+
+
+async def test_stop_strings_without_tokenizer_are_refused(backend: VllmBackend) -> None:
+    """vLLM would silently never match them; the backend says so instead."""
+    spec = SamplingSpec(max_tokens=4, stop_strings=("ab",))
+    with pytest.raises(EngineRequestError, match="tokenizer"):
+        await collect(backend, "stop-str", prompt_for(1), spec)

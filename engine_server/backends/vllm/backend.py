@@ -207,6 +207,10 @@ class VllmBackend(EngineBackend):
                 await self._kv.stop(drain_s=0)
                 self._kv = None
             raise
+        if self._closed:  # shutdown() came while the engine was starting
+            await asyncio.to_thread(self._engine.shutdown)
+            self._engine = None
+            raise base.EngineDeadError("shut down while starting")
         if self._kv is not None and not self._kv.endpoints:
             self._kv.attach(_publisher_endpoints(self._engine))
 
@@ -238,6 +242,11 @@ class VllmBackend(EngineBackend):
         self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
     ) -> AsyncIterator[EngineOutput]:
         engine = self.engine
+        if spec.stop_strings and engine.tokenizer is None:
+            # vLLM would silently never match them (no detokenizer).
+            raise base.EngineRequestError(
+                "stop strings need the tokenizer; this engine runs with skip_tokenizer_init"
+            )
         try:
             params = to_sampling_params(spec)
         except _REQUEST_ERRORS as e:

@@ -223,7 +223,12 @@ class KvEventSubscriber:
             return
         _, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
-        batch = convert_batch(self._decoder.decode(payload))
+        try:
+            batch = convert_batch(self._decoder.decode(payload))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            # Counted as lost by the gap check when the rank's next batch comes.
+            log.exception("undecodable KV-event batch seq %d (a newer vLLM?); dropped", seq)
+            return
         rank = batch.data_parallel_rank
         expected = self._next_seq.get(rank)
         if expected is None and self._expect_from_zero:
