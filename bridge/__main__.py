@@ -14,7 +14,11 @@ from bridge.engine import BridgeEngine
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(BridgeEngine, argv)
+    try:
+        run(BridgeEngine, argv)
+    except Exception as e:  # start-up failures arrive wrapped by Dynamo's Rust worker
+        print(f"bridge: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

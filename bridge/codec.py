@@ -127,13 +127,19 @@ def build_rollout_request(
 ) -> pb.RolloutRequest:
     """Sampling comes from the engine's generation defaults; only max_tokens is taken
     from the HTTP request (stop_conditions.max_tokens -> max_new_tokens) when given."""
+    stop_conditions = request.get("stop_conditions") or {}
+    if stop_conditions.get("stop"):
+        raise RequestError(
+            "a rollout takes its stop strings from the rollout spec ('stop_strings'), "
+            "not from the request's 'stop'"
+        )
     msg = pb.RolloutRequest(
         request_id=request_id,
         prompt_token_ids=_token_ids(request),
         greedy=spec.greedy,
         stop_strings=list(spec.stop_strings),
     )
-    max_tokens = (request.get("stop_conditions") or {}).get("max_tokens")
+    max_tokens = stop_conditions.get("max_tokens")
     if max_tokens is not None:
         msg.max_new_tokens = _int(max_tokens, "max_tokens", minimum=0)
     return msg
@@ -241,6 +247,8 @@ def build_generate_request(request_id: str, request: Mapping[str, Any]) -> pb.Ge
         stop.max_tokens = _int(stop_in["max_tokens"], "max_tokens", minimum=0)
     if stop_in.get("min_tokens") is not None:
         stop.min_tokens = _int(stop_in["min_tokens"], "min_tokens", minimum=0)
+    # Dynamo 1.6.1 forwards OpenAI `stop` here (and also cuts the text itself);
+    # the engine stopping there too saves the tokens after the match.
     stop_strings = stop_in.get("stop") or []
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]

@@ -82,8 +82,11 @@ class RolloutResult:
             logprobs=[],
             truncated=False,
             finish_reason="length",
-            usage={"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                   "cached_prompt_tokens": 0},
+            usage={
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": 0,
+                "cached_prompt_tokens": 0,
+            },
         )
 
 

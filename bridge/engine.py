@@ -25,7 +25,6 @@ from dynamo.common.backend.engine import (
 from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 from dynamo.common.utils.token_ids import normalize_request_token_ids
-from dynamo.llm.exceptions import Disconnected
 
 from bridge import codec, errors
 from bridge.client import EngineClient
@@ -47,6 +46,9 @@ class _InFlight:
 
 
 class BridgeEngine(LLMEngine):
+    """Dynamo's side of one engine server: registers what the server reports, relays
+    its KV events, and turns each Dynamo request into one Rollout or Generate call."""
+
     def __init__(self, config: BridgeConfig) -> None:
         self.config = config
         self._client: EngineClient | None = None
@@ -145,8 +147,9 @@ class BridgeEngine(LLMEngine):
             raise errors.to_dynamo(grpc.aio.UsageError("the bridge is not started or closed"))
         context_id = context.id()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s", context_id, {k: v for k, v in request.items()
-                                                     if k != "token_ids"})
+            log.debug(
+                "request %s: %s", context_id, {k: v for k, v in request.items() if k != "token_ids"}
+            )
         request_id = (spec.request_id if spec is not None else None) or context_id
         entry = _InFlight(request_id)
         self._inflight[context_id] = entry
@@ -163,8 +166,13 @@ class BridgeEngine(LLMEngine):
                 async for chunk in chunks:
                     yield chunk  # type: ignore[misc]
         finally:
+            # Dynamo closes the stream early on a client disconnect or a stop string;
+            # cancelling the call aborts the engine request at once.
             if entry.call is not None and not entry.call.done():
                 entry.call.cancel()
+                log.debug(
+                    "request %s: stream closed early, engine call cancelled", entry.request_id
+                )
             self._inflight.pop(context_id, None)
 
     async def _rollout(
@@ -216,13 +224,14 @@ class BridgeEngine(LLMEngine):
         if entry.aborted:
             yield codec.cancelled_chunk(prompt_tokens, generated)
             return
-        raise Disconnected("engine server ended the stream before the request finished")
+        raise errors.stream_ended_early()
 
     async def abort(self, context: Context) -> None:
         """Cancel the RPC and tell the engine to abort (the same request, this instance)."""
         entry = self._inflight.get(context.id())
         client = self._client
         if entry is None or entry.aborted or client is None:
+            log.debug("abort %s: nothing in flight", context.id())
             return
         entry.aborted = True
         if entry.call is not None:
@@ -232,6 +241,8 @@ class BridgeEngine(LLMEngine):
             log.debug("abort %s: %s", entry.request_id, pb.AbortOutcome.Name(outcome.outcome))
         except grpc.aio.AioRpcError as e:
             log.warning("abort %s failed: %s: %s", entry.request_id, e.code().name, e.details())
+        except grpc.aio.UsageError:
+            log.debug("abort %s: channel closed (shutting down)", entry.request_id)
 
     # -- introspection (tests, tools) ---------------------------------------
 

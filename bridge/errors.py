@@ -79,3 +79,8 @@ def to_dynamo(exc: BaseException) -> DynamoException:
     if isinstance(exc, ConnectionError):
         return Disconnected(f"engine server connection lost: {exc}")
     return Unknown(f"{type(exc).__name__}: {exc}")
+
+
+def stream_ended_early() -> DynamoException:
+    """A Generate stream that ended without its last message: the server went away."""
+    return Disconnected("engine server ended the stream before the request finished")

@@ -65,15 +65,20 @@ def blocking_env(*packages: str) -> dict[str, str]:
 class Proc:
     """One subprocess with its log; ``stop()`` is idempotent."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self._log = open(log_path, "ab")  # closed in stop()
         self.popen = subprocess.Popen(
-            self.argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            self.argv,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
 
     @property
@@ -91,8 +96,9 @@ class Proc:
 
     def check_alive(self) -> None:
         if not self.alive():
-            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n"
-                               f"{self.log_tail()}")
+            raise RuntimeError(
+                f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}"
+            )
 
     def signal(self, sig: int) -> None:
         if self.alive():
@@ -115,8 +121,13 @@ class Proc:
             self.popen.wait(10)
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
-               procs: Sequence[Proc] = (), interval: float = 0.1) -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    procs: Sequence[Proc] = (),
+    interval: float = 0.1,
+) -> Any:
     """Poll ``predicate`` until truthy; fail early if one of ``procs`` died."""
     deadline = time.monotonic() + timeout
     while True:
@@ -131,8 +142,9 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
         time.sleep(interval)
 
 
-def http_json(url: str, body: dict[str, Any] | None = None,
-              timeout: float = 30.0) -> tuple[int, Any]:
+def http_json(
+    url: str, body: dict[str, Any] | None = None, timeout: float = 30.0
+) -> tuple[int, Any]:
     """GET (or POST ``body``) and parse the JSON answer; (status, body) also on errors."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
@@ -168,6 +180,9 @@ class ProcessGroup:
             with contextlib.suppress(Exception):
                 proc.stop()
 
+    def get(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         proc = Proc(name, argv, self.log_dir / f"{name}.log", env)
         self.procs.append(proc)
@@ -175,35 +190,87 @@ class ProcessGroup:
 
     # -- the three programs --------------------------------------------------
 
-    def engine_server(self, name: str, *args: str, backend: str = "sim",
-                      env: dict[str, str] | None = None, timeout: float = 60.0,
-                      ) -> tuple[Proc, str]:
-        """``python -m engine_server`` on a free port; returns (proc, address) once
-        it reports its address (the engine may still be starting)."""
+    def engine_server(
+        self,
+        name: str,
+        *args: str,
+        backend: str = "sim",
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        listen: str = "127.0.0.1:0",
+    ) -> tuple[Proc, str]:
+        """``python -m engine_server`` (on a free port unless ``listen`` says otherwise);
+        returns (proc, address) once it reports its address."""
         ready = self.log_dir / f"{name}.addr"
         ready.unlink(missing_ok=True)
-        proc = self.spawn(name, [sys.executable, "-m", "engine_server", "--backend", backend,
-                                 "--listen", "127.0.0.1:0", "--ready-file", str(ready), *args],
-                          env)
-        wait_until(lambda: ready.exists() and ready.read_text().strip(), timeout,
-                   f"{name} address", [proc])
+        proc = self.spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "engine_server",
+                "--backend",
+                backend,
+                "--listen",
+                listen,
+                "--ready-file",
+                str(ready),
+                *args,
+            ],
+            env,
+        )
+        wait_until(
+            lambda: ready.exists() and ready.read_text().strip(), timeout, f"{name} address", [proc]
+        )
         return proc, ready.read_text().strip()
 
-    def bridge(self, name: str, engine_address: str, model_dir: Path, served_model_name: str,
-               namespace: str, env: dict[str, str], *args: str) -> Proc:
-        return self.spawn(name, [
-            sys.executable, "-m", "bridge", "--engine", engine_address,
-            "--model-path", str(model_dir), "--served-model-name", served_model_name,
-            "--namespace", namespace, *args,
-        ], env)
+    def bridge(
+        self,
+        name: str,
+        engine_address: str,
+        model_dir: Path,
+        served_model_name: str,
+        namespace: str,
+        env: dict[str, str],
+        *args: str,
+    ) -> Proc:
+        return self.spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "bridge",
+                "--engine",
+                engine_address,
+                "--model-path",
+                str(model_dir),
+                "--served-model-name",
+                served_model_name,
+                "--namespace",
+                namespace,
+                *args,
+            ],
+            env,
+        )
 
-    def frontend(self, name: str, env: dict[str, str], *args: str,
-                 port: int | None = None) -> tuple[Proc, str]:
+    def frontend(
+        self, name: str, env: dict[str, str], *args: str, port: int | None = None
+    ) -> tuple[Proc, str]:
         port = port or free_port()
-        proc = self.spawn(name, [
-            sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
-            "--http-port", str(port), *args,
-        ], env)
+        proc = self.spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "dynamo.frontend",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                *args,
+            ],
+            env,
+        )
         return proc, f"http://127.0.0.1:{port}"
 
 
@@ -220,20 +287,27 @@ def registered_workers(kv_dir: Path, namespace: str) -> int:
     if not instances.is_dir():
         return 0
     prefix = f"{namespace}%2F"
-    return sum(1 for p in instances.rglob("*")
-               if p.is_file() and p.name.startswith(prefix) and "%2Fgenerate%2F" in p.name)
+    return sum(
+        1
+        for p in instances.rglob("*")
+        if p.is_file() and p.name.startswith(prefix) and "%2Fgenerate%2F" in p.name
+    )
 
 
-def wait_for_model(base_url: str, model: str, procs: Sequence[Proc],
-                   timeout: float = 60.0) -> None:
-    wait_until(lambda: model in served_models(base_url), timeout,
-               f"model {model} at {base_url}", procs)
+def wait_for_model(base_url: str, model: str, procs: Sequence[Proc], timeout: float = 60.0) -> None:
+    wait_until(
+        lambda: model in served_models(base_url), timeout, f"model {model} at {base_url}", procs
+    )
 
 
 def tiny_model_dir() -> Path:
     """The tiny offline model (tokenizer, config, random weights); built once, then cached."""
     out = ROOT / ".artifacts" / "tiny-model"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--out",
-                    str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--out", str(out)],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return out

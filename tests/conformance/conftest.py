@@ -8,6 +8,7 @@ only: ``make conformance ADDR=HOST:PORT``.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -28,8 +29,13 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "engine_address" in metafunc.fixturenames:
-        external = metafunc.config.getoption("--engine-address")
-        kinds = ["external"] if external else ["inproc-sim", "cli-sim"]
+        kinds: list[object]
+        if metafunc.config.getoption("--engine-address"):
+            kinds = ["external"]
+        else:
+            kinds = ["inproc-sim", "cli-sim"]
+            if importlib.util.find_spec("vllm") is not None:
+                kinds.append(pytest.param("cli-vllm", marks=pytest.mark.vllm))
         metafunc.parametrize("engine_address", kinds, indirect=True, scope="session")
 
 
@@ -56,6 +62,31 @@ def _sim_args(model: Path) -> list[str]:
     )
 
 
+def _vllm_args(model: Path) -> list[str]:
+    """The tiny model on vLLM's CPU build (or GPU build): small, fp32, eager."""
+    return [
+        "--backend",
+        "vllm",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        str(model),
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--max-message-bytes",
+        str(MAX_MESSAGE_BYTES),
+        "--max-new-tokens",
+        "64",
+    ]
+
+
 @pytest.fixture(scope="session")
 def engine_address(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -72,9 +103,10 @@ def engine_address(
         finally:
             server.stop()
         return
-    proc = ServerProcess(_sim_args(model), tmp_path_factory.mktemp("cli-sim") / "server.log")
+    args = _vllm_args(model) if kind == "cli-vllm" else _sim_args(model)
+    proc = ServerProcess(args, tmp_path_factory.mktemp(kind) / "server.log")
     try:
-        yield proc.wait_ready()
+        yield proc.wait_ready(timeout=180)
     finally:
         assert proc.terminate() == 0, proc.log_text()
 

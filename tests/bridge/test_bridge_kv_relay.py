@@ -30,8 +30,9 @@ def cleared() -> pb.KvEvent:
     return pb.KvEvent(cleared=pb.AllBlocksCleared())
 
 
-def batch(seq: int, *events: pb.KvEvent, instance: str = "A",
-          snapshot: tuple[int, bool] | None = None) -> pb.KvEventBatch:
+def batch(
+    seq: int, *events: pb.KvEvent, instance: str = "A", snapshot: tuple[int, bool] | None = None
+) -> pb.KvEventBatch:
     b = pb.KvEventBatch(instance_id=instance, sequence_number=seq, events=list(events))
     if snapshot is not None:
         b.snapshot.CopyFrom(pb.SnapshotPart(index=snapshot[0], last=snapshot[1]))
@@ -55,20 +56,29 @@ def test_signed_conversion() -> None:
 def test_snapshot_then_live_batches_are_published() -> None:
     relay, pub = relay_with_publisher()
     assert relay.subscription_request() == pb.SubscribeKvEventsRequest(include_snapshot=True)
-    assert relay.apply_batch(batch(3, cleared(), stored(10, 11), snapshot=(0, False))) \
+    assert (
+        relay.apply_batch(batch(3, cleared(), stored(10, 11), snapshot=(0, False)))
         is Verdict.APPLIED
-    assert relay.apply_batch(batch(3, stored(12, parent=11), snapshot=(1, True))) \
-        is Verdict.APPLIED
+    )
+    assert relay.apply_batch(batch(3, stored(12, parent=11), snapshot=(1, True))) is Verdict.APPLIED
     assert relay.apply_batch(batch(4, stored(BIG, parent=12), removed(10))) is Verdict.APPLIED
-    assert pub.calls[0] == ("stored", {
-        "token_ids": [10, 10, 11, 11], "num_block_tokens": [BS, BS], "block_hashes": [10, 11],
-        "parent_hash": None, "lora_name": None})
+    assert pub.calls[0] == (
+        "stored",
+        {
+            "token_ids": [10, 10, 11, 11],
+            "num_block_tokens": [BS, BS],
+            "block_hashes": [10, 11],
+            "parent_hash": None,
+            "lora_name": None,
+        },
+    )
     assert pub.calls[1][1]["parent_hash"] == 11
     assert pub.calls[2][1]["block_hashes"] == [to_signed(BIG)] and to_signed(BIG) < 0
     assert pub.calls[3] == ("removed", {"block_hashes": [10]})
     assert pub.live_hashes() == relay.known == {11, 12, to_signed(BIG)}
     assert relay.subscription_request() == pb.SubscribeKvEventsRequest(
-        start_sequence_number=5, snapshot_if_unavailable=True, expected_instance_id="A")
+        start_sequence_number=5, snapshot_if_unavailable=True, expected_instance_id="A"
+    )
 
 
 def test_all_cleared_removes_every_known_hash() -> None:
@@ -88,8 +98,10 @@ def test_instance_change_clears_and_rebuilds_from_the_snapshot() -> None:
     relay.apply_batch(batch(1, stored(1, 2)))
     relay.apply_batch(batch(2, stored(3, parent=2)))
     # The server restarted; our resume request got a snapshot of the new instance.
-    assert relay.apply_batch(batch(0, cleared(), stored(7), instance="B", snapshot=(0, True))) \
+    assert (
+        relay.apply_batch(batch(0, cleared(), stored(7), instance="B", snapshot=(0, True)))
         is Verdict.APPLIED
+    )
     assert ("removed", {"block_hashes": [1, 2, 3]}) in pub.calls
     assert pub.live_hashes() == {7}
     assert changes == ["A", "B"]
@@ -183,7 +195,37 @@ async def test_stream_subscribes_resumes_and_stops() -> None:
         assert pub.live_hashes() == {1, 2, 3}
         assert fake.kv_requests[0].include_snapshot
         assert fake.kv_requests[1] == pb.SubscribeKvEventsRequest(
-            start_sequence_number=4, snapshot_if_unavailable=True, expected_instance_id="A")
+            start_sequence_number=4, snapshot_if_unavailable=True, expected_instance_id="A"
+        )
         await relay.stop()
+        await relay.stop()
+        await client.close()
+
+
+async def test_overflow_before_the_publisher_resubscribes_for_a_snapshot() -> None:
+    async with FakeServer() as server:
+        fake = server.engine
+        client = EngineClient(server.address)
+        relay = KvRelay(client, BS, max_buffered=1, backoff_s=(0.01, 0.05))
+        relay.start()
+        for seq in (1, 2, 3):
+            await fake.kv_batches.put(batch(seq, stored(seq)))
+        for _ in range(200):
+            if fake.kv_batches.empty() and relay._overflowed:
+                break
+            await asyncio.sleep(0.01)
+        pub = RecordingPublisher()
+        relay.on_ready(pub)
+        for _ in range(200):
+            if len(fake.kv_requests) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [r.include_snapshot for r in fake.kv_requests] == [True, True]
+        await fake.kv_batches.put(batch(3, cleared(), stored(1, 2, 3), snapshot=(0, True)))
+        for _ in range(200):
+            if pub.live_hashes() == {1, 2, 3}:
+                break
+            await asyncio.sleep(0.01)
+        assert pub.live_hashes() == {1, 2, 3}
         await relay.stop()
         await client.close()

@@ -24,18 +24,37 @@ def completion_request(**overrides: object) -> dict:
     request: dict = {
         "token_ids": [5, 6, 7],
         "sampling_options": {
-            "n": None, "best_of": None, "presence_penalty": None, "frequency_penalty": None,
-            "repetition_penalty": None, "temperature": None, "top_p": None, "top_k": None,
-            "min_p": None, "use_beam_search": None, "length_penalty": None, "seed": None,
-            "include_stop_str_in_output": None, "guided_decoding": None,
+            "n": None,
+            "best_of": None,
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "repetition_penalty": None,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
+            "min_p": None,
+            "use_beam_search": None,
+            "length_penalty": None,
+            "seed": None,
+            "include_stop_str_in_output": None,
+            "guided_decoding": None,
         },
         "stop_conditions": {
-            "max_tokens": None, "stop": None, "stop_token_ids": None,
-            "stop_token_ids_visible": None, "stop_token_ids_hidden": [1], "min_tokens": None,
-            "ignore_eos": None, "max_thinking_tokens": None,
+            "max_tokens": None,
+            "stop": None,
+            "stop_token_ids": None,
+            "stop_token_ids_visible": None,
+            "stop_token_ids_hidden": [1],
+            "min_tokens": None,
+            "ignore_eos": None,
+            "max_thinking_tokens": None,
         },
-        "output_options": {"logprobs": None, "prompt_logprobs": None,
-                           "skip_special_tokens": True, "formatted_prompt": None},
+        "output_options": {
+            "logprobs": None,
+            "prompt_logprobs": None,
+            "skip_special_tokens": True,
+            "formatted_prompt": None,
+        },
         "eos_token_ids": [1],
         "annotations": [],
     }
@@ -102,17 +121,30 @@ def test_rollout_request_takes_max_tokens_only_when_given() -> None:
     msg = codec.build_rollout_request("r", completion_request(), spec)
     assert not msg.HasField("max_new_tokens")
     assert (msg.request_id, list(msg.prompt_token_ids), msg.greedy, list(msg.stop_strings)) == (
-        "r", [5, 6, 7], True, ["x"])
+        "r",
+        [5, 6, 7],
+        True,
+        ["x"],
+    )
     msg = codec.build_rollout_request("r", completion_request(stop_conditions__max_tokens=0), spec)
     assert msg.HasField("max_new_tokens") and msg.max_new_tokens == 0
     msg = codec.build_rollout_request("r", completion_request(stop_conditions__max_tokens=9), spec)
     assert msg.max_new_tokens == 9
 
 
+def test_rollout_refuses_http_stop_strings() -> None:
+    request = completion_request(stop_conditions__stop=["\n"])
+    with pytest.raises(RequestError, match="from the rollout spec"):
+        codec.build_rollout_request("r", request, codec.RolloutSpec())
+
+
 def rollout_response(**fields: object) -> pb.RolloutResponse:
     base: dict = dict(
-        request_id="r1", token_ids=[3, 4, 1], logprobs=[-0.25, -1.5, -3.0],
-        finish_reason=pb.FINISH_REASON_STOP, matched_stop=pb.StopMatch(token_id=1),
+        request_id="r1",
+        token_ids=[3, 4, 1],
+        logprobs=[-0.25, -1.5, -3.0],
+        finish_reason=pb.FINISH_REASON_STOP,
+        matched_stop=pb.StopMatch(token_id=1),
         usage=pb.Usage(prompt_tokens=3, completion_tokens=3, cached_prompt_tokens=2),
         instance_id="i1",
     )
@@ -127,7 +159,9 @@ def test_rollout_chunk_carries_everything_in_engine_data_and_no_tokens() -> None
     assert chunk["finish_reason"] == "stop"
     assert chunk["stop_reason"] == 1
     assert chunk["completion_usage"] == {
-        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
     data = chunk["engine_data"]["rollout"]
@@ -163,9 +197,16 @@ def test_rollout_routed_experts_and_r3() -> None:
     )
     out = codec.rollout_chunk(resp)["engine_data"]["rollout"]
     assert out["routed_experts"] == {
-        "dtype": "int8", "shape": [2, 3, 2], "data": base64.b64encode(data).decode()}
-    assert out["r3_stats"] == {"actual_routes": 2, "expected_routes": 3, "missing_routes": 1,
-                               "surplus_routes": 0}
+        "dtype": "int8",
+        "shape": [2, 3, 2],
+        "data": base64.b64encode(data).decode(),
+    }
+    assert out["r3_stats"] == {
+        "actual_routes": 2,
+        "expected_routes": 3,
+        "missing_routes": 1,
+        "surplus_routes": 0,
+    }
 
 
 def test_rollout_misaligned_or_bad_experts_is_a_protocol_error() -> None:
@@ -189,8 +230,16 @@ def test_non_finite_logprobs_become_the_floor() -> None:
 
 def test_unset_options_stay_absent() -> None:
     msg = codec.build_generate_request("g", completion_request())
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         assert not msg.sampling.HasField(name), name
     for name in ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output"):
         assert not msg.stop.HasField(name), name
@@ -200,16 +249,25 @@ def test_unset_options_stay_absent() -> None:
 
 
 def test_set_options_are_present_and_exact() -> None:
-    msg = codec.build_generate_request("g", completion_request(
-        sampling_options__temperature=f32(0.7), sampling_options__top_p=f32(0.9),
-        sampling_options__top_k=0, sampling_options__min_p=0.0, sampling_options__seed=2**40,
-        sampling_options__presence_penalty=f32(-0.5), sampling_options__frequency_penalty=0.0,
-        sampling_options__repetition_penalty=f32(1.1),
-        sampling_options__include_stop_str_in_output=False,
-        stop_conditions__max_tokens=16, stop_conditions__min_tokens=0,
-        stop_conditions__stop_token_ids=[9, 1], stop_conditions__stop_token_ids_visible=[9],
-        output_options__logprobs=0,
-    ))
+    msg = codec.build_generate_request(
+        "g",
+        completion_request(
+            sampling_options__temperature=f32(0.7),
+            sampling_options__top_p=f32(0.9),
+            sampling_options__top_k=0,
+            sampling_options__min_p=0.0,
+            sampling_options__seed=2**40,
+            sampling_options__presence_penalty=f32(-0.5),
+            sampling_options__frequency_penalty=0.0,
+            sampling_options__repetition_penalty=f32(1.1),
+            sampling_options__include_stop_str_in_output=False,
+            stop_conditions__max_tokens=16,
+            stop_conditions__min_tokens=0,
+            stop_conditions__stop_token_ids=[9, 1],
+            stop_conditions__stop_token_ids_visible=[9],
+            output_options__logprobs=0,
+        ),
+    )
     s = msg.sampling
     # float32-rounded doubles land exactly on the user's float32 values.
     assert s.temperature == f32(0.7) and s.top_p == f32(0.9)
@@ -225,14 +283,20 @@ def test_set_options_are_present_and_exact() -> None:
 
 
 def test_ignore_eos_drops_the_eos_and_is_present() -> None:
-    request = completion_request(stop_conditions__ignore_eos=True,
-                                 stop_conditions__stop_token_ids_hidden=[], eos_token_ids=[])
+    request = completion_request(
+        stop_conditions__ignore_eos=True,
+        stop_conditions__stop_token_ids_hidden=[],
+        eos_token_ids=[],
+    )
     msg = codec.build_generate_request("g", request)
     assert msg.stop.HasField("ignore_eos") and msg.stop.ignore_eos is True
     assert list(msg.stop.stop_token_ids) == []
     # Even if the frontend listed the EOS, ignore_eos keeps it out of the stop ids.
-    request = completion_request(stop_conditions__ignore_eos=True, eos_token_ids=[2],
-                                 stop_conditions__stop_token_ids_hidden=[])
+    request = completion_request(
+        stop_conditions__ignore_eos=True,
+        eos_token_ids=[2],
+        stop_conditions__stop_token_ids_hidden=[],
+    )
     assert list(codec.build_generate_request("g", request).stop.stop_token_ids) == []
     request = completion_request(stop_conditions__ignore_eos=False)
     msg = codec.build_generate_request("g", request)
@@ -261,24 +325,42 @@ def test_unsupported_or_bad_options_refused(override: dict, message: str) -> Non
 
 
 def test_generate_chunks() -> None:
-    delta = codec.generate_chunk(pb.GenerateResponse(
-        token_ids=[4, 5], logprobs=[-0.5, -0.75],
-        top_logprobs=[pb.TopLogprobs(token_ids=[4, 8], logprobs=[-0.5, -1.0]),
-                      pb.TopLogprobs(token_ids=[5], logprobs=[-0.75])],
-    ))
+    delta = codec.generate_chunk(
+        pb.GenerateResponse(
+            token_ids=[4, 5],
+            logprobs=[-0.5, -0.75],
+            top_logprobs=[
+                pb.TopLogprobs(token_ids=[4, 8], logprobs=[-0.5, -1.0]),
+                pb.TopLogprobs(token_ids=[5], logprobs=[-0.75]),
+            ],
+        )
+    )
     assert delta == {
-        "token_ids": [4, 5], "index": 0, "log_probs": [-0.5, -0.75],
+        "token_ids": [4, 5],
+        "index": 0,
+        "log_probs": [-0.5, -0.75],
         "top_logprobs": [
-            [{"rank": 1, "token_id": 4, "token": None, "logprob": -0.5},
-             {"rank": 2, "token_id": 8, "token": None, "logprob": -1.0}],
+            [
+                {"rank": 1, "token_id": 4, "token": None, "logprob": -0.5},
+                {"rank": 2, "token_id": 8, "token": None, "logprob": -1.0},
+            ],
             [{"rank": 1, "token_id": 5, "token": None, "logprob": -0.75}],
         ],
     }
-    last = codec.generate_chunk(pb.GenerateResponse(finished=pb.GenerateFinished(
-        finish_reason=pb.FINISH_REASON_STOP, matched_stop=pb.StopMatch(stop_string="\n"),
-        usage=pb.Usage(prompt_tokens=3, completion_tokens=2))))
+    last = codec.generate_chunk(
+        pb.GenerateResponse(
+            finished=pb.GenerateFinished(
+                finish_reason=pb.FINISH_REASON_STOP,
+                matched_stop=pb.StopMatch(stop_string="\n"),
+                usage=pb.Usage(prompt_tokens=3, completion_tokens=2),
+            )
+        )
+    )
     assert last == {
-        "token_ids": [], "index": 0, "finish_reason": "stop", "stop_reason": "\n",
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": "stop",
+        "stop_reason": "\n",
         "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
     with pytest.raises(codec.ProtocolError):

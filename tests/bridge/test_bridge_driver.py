@@ -17,9 +17,12 @@ from bridge import codec, driver, wire
 from engine_contract.v1 import engine_pb2 as pb
 
 PB_DTYPES = {
-    "uint8": pb.TENSOR_DTYPE_UINT8, "int8": pb.TENSOR_DTYPE_INT8,
-    "uint16": pb.TENSOR_DTYPE_UINT16, "int16": pb.TENSOR_DTYPE_INT16,
-    "int32": pb.TENSOR_DTYPE_INT32, "int64": pb.TENSOR_DTYPE_INT64,
+    "uint8": pb.TENSOR_DTYPE_UINT8,
+    "int8": pb.TENSOR_DTYPE_INT8,
+    "uint16": pb.TENSOR_DTYPE_UINT16,
+    "int16": pb.TENSOR_DTYPE_INT16,
+    "int32": pb.TENSOR_DTYPE_INT32,
+    "int64": pb.TENSOR_DTYPE_INT64,
 }
 
 
@@ -51,8 +54,13 @@ def random_doubles(n: int, seed: int = 0) -> list[float]:
 
 def test_logprobs_survive_json_bit_exactly() -> None:
     lps = random_doubles(5000)
-    resp = pb.RolloutResponse(request_id="r", token_ids=list(range(len(lps))), logprobs=lps,
-                              finish_reason=pb.FINISH_REASON_LENGTH, truncated=True)
+    resp = pb.RolloutResponse(
+        request_id="r",
+        token_ids=list(range(len(lps))),
+        logprobs=lps,
+        finish_reason=pb.FINISH_REASON_LENGTH,
+        truncated=True,
+    )
     result = driver.parse_rollout_response(frontend_body(resp))
     assert [struct.pack("<d", x) for x in result.logprobs] == [struct.pack("<d", x) for x in lps]
     assert result.token_ids == list(range(len(lps)))
@@ -73,20 +81,31 @@ def test_routed_experts_keep_dtype_shape_and_bytes(dtype: str) -> None:
     if info.min < 0:
         experts[0, 0, 0] = -1  # R3's missing-route sentinel
     resp = pb.RolloutResponse(
-        request_id="r", token_ids=[1, 2], logprobs=[-1.0, -2.0],
-        finish_reason=pb.FINISH_REASON_STOP, matched_stop=pb.StopMatch(stop_string="\n"),
+        request_id="r",
+        token_ids=[1, 2],
+        logprobs=[-1.0, -2.0],
+        finish_reason=pb.FINISH_REASON_STOP,
+        matched_stop=pb.StopMatch(stop_string="\n"),
         usage=pb.Usage(prompt_tokens=4, completion_tokens=2, cached_prompt_tokens=1),
-        routed_experts=pb.RoutedExperts(data=experts.astype(f"<{experts.dtype.str[1:]}").tobytes(),
-                                        dtype=PB_DTYPES[dtype], shape=[5, 3, 2]),
-        r3_stats=pb.R3Stats(actual_routes=5, expected_routes=5), instance_id="i",
+        routed_experts=pb.RoutedExperts(
+            data=experts.astype(f"<{experts.dtype.str[1:]}").tobytes(),
+            dtype=PB_DTYPES[dtype],
+            shape=[5, 3, 2],
+        ),
+        r3_stats=pb.R3Stats(actual_routes=5, expected_routes=5),
+        instance_id="i",
     )
     result = driver.parse_rollout_response(frontend_body(resp))
     assert result.routed_experts is not None
     array = result.routed_experts.to_numpy()
     assert array.dtype == np.dtype(dtype) and array.shape == (5, 3, 2)
     np.testing.assert_array_equal(array, experts)
-    assert result.r3_stats == {"actual_routes": 5, "expected_routes": 5, "missing_routes": 0,
-                               "surplus_routes": 0}
+    assert result.r3_stats == {
+        "actual_routes": 5,
+        "expected_routes": 5,
+        "missing_routes": 0,
+        "surplus_routes": 0,
+    }
     assert result.stop_reason == "\n" and result.finish_reason == "stop"
     assert result.usage == {"prompt_tokens": 4, "completion_tokens": 2, "cached_prompt_tokens": 1}
     assert result.instance_id == "i" and result.worker_id == {"decode_worker_id": 7}
@@ -99,10 +118,18 @@ def test_routed_experts_keep_dtype_shape_and_bytes(dtype: str) -> None:
         (lambda d: d["nvext"]["engine_data"]["rollout"].update(version=99), "version 99"),
         (lambda d: d["nvext"]["engine_data"]["rollout"].update(extra=1), "unknown keys"),
         (lambda d: d["nvext"]["engine_data"]["rollout"]["logprobs"].pop(), "1 logprobs for 2"),
-        (lambda d: d["nvext"]["engine_data"]["rollout"].update(
-            routed_experts={"dtype": "int16", "shape": [3], "data": "AAA="}), "needs 6"),
-        (lambda d: d["nvext"]["engine_data"]["rollout"].update(
-            routed_experts={"dtype": "float32", "shape": [1], "data": "AAAAAA=="}), "dtype"),
+        (
+            lambda d: d["nvext"]["engine_data"]["rollout"].update(
+                routed_experts={"dtype": "int16", "shape": [3], "data": "AAA="}
+            ),
+            "needs 6",
+        ),
+        (
+            lambda d: d["nvext"]["engine_data"]["rollout"].update(
+                routed_experts={"dtype": "float32", "shape": [1], "data": "AAAAAA=="}
+            ),
+            "dtype",
+        ),
     ],
 )
 def test_malformed_answers_rejected(mutate: Any, message: str) -> None:
@@ -113,13 +140,18 @@ def test_malformed_answers_rejected(mutate: Any, message: str) -> None:
 
 
 def test_request_body() -> None:
-    body = driver.build_rollout_body("m", [1, 2], greedy=True, stop_strings=["\n"],
-                                     max_tokens=8, request_id="r1", worker_id=True)
+    body = driver.build_rollout_body(
+        "m", [1, 2], greedy=True, stop_strings=["\n"], max_tokens=8, request_id="r1", worker_id=True
+    )
     assert body == {
-        "model": "m", "prompt": [1, 2], "stream": False, "max_tokens": 8,
-        "nvext": {"annotations": ['rollout:{"greedy":true,"stop_strings":["\\n"],'
-                                  '"request_id":"r1"}'],
-                  "extra_fields": ["engine_data", "worker_id"]},
+        "model": "m",
+        "prompt": [1, 2],
+        "stream": False,
+        "max_tokens": 8,
+        "nvext": {
+            "annotations": ['rollout:{"greedy":true,"stop_strings":["\\n"],"request_id":"r1"}'],
+            "extra_fields": ["engine_data", "worker_id"],
+        },
     }
     # The bridge reads back exactly what the driver wrote.
     spec = codec.parse_request_kind(body["nvext"]["annotations"])
@@ -146,11 +178,17 @@ async def test_client_round_trip_and_http_errors() -> None:
         seen.append(body)
         if body["prompt"] == [0]:
             return web.json_response(
-                {"error": {"message": "rollout spec has unknown keys", "code": 400}}, status=400)
+                {"error": {"message": "rollout spec has unknown keys", "code": 400}}, status=400
+            )
         if body["prompt"] == [9]:
             return web.Response(status=503, text="no workers")
-        resp = pb.RolloutResponse(request_id="x", token_ids=[3], logprobs=[-0.5],
-                                  finish_reason=pb.FINISH_REASON_LENGTH, truncated=True)
+        resp = pb.RolloutResponse(
+            request_id="x",
+            token_ids=[3],
+            logprobs=[-0.5],
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            truncated=True,
+        )
         return web.json_response(frontend_body(resp))
 
     runner, url = await fake_frontend(handler)
@@ -159,6 +197,15 @@ async def test_client_round_trip_and_http_errors() -> None:
             result = await client.rollout([1, 2], max_tokens=1)
             assert result.token_ids == [3] and result.logprobs == [-0.5] and result.truncated
             assert seen[0]["max_tokens"] == 1
+            # A zero budget is answered without asking (the frontend refuses max_tokens 0).
+            nothing = await client.rollout([1, 2, 3], max_tokens=0)
+            assert len(seen) == 1
+            assert (nothing.token_ids, nothing.truncated, nothing.finish_reason) == (
+                [],
+                False,
+                "length",
+            )
+            assert nothing.usage["prompt_tokens"] == 3
             with pytest.raises(driver.RolloutHTTPError, match="unknown keys") as info:
                 await client.rollout([0])
             assert info.value.status == 400

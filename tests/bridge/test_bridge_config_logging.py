@@ -20,17 +20,38 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def test_cli_maps_to_bridge_and_worker_config(model_dir: Path) -> None:
-    bridge, worker = parse_args([
-        "--engine", "127.0.0.1:5", "--model-path", str(model_dir), "--served-model-name", "tiny",
-        "--namespace", "ns", "--discovery-backend", "file", "--request-plane", "tcp",
-        "--event-plane", "zmq", "--connect-timeout", "7", "--max-message-mib", "8",
-        "--log-level", "debug",
-    ])
+    bridge, worker = parse_args(
+        [
+            "--engine",
+            "127.0.0.1:5",
+            "--model-path",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--namespace",
+            "ns",
+            "--discovery-backend",
+            "file",
+            "--request-plane",
+            "tcp",
+            "--event-plane",
+            "zmq",
+            "--connect-timeout",
+            "7",
+            "--max-message-mib",
+            "8",
+            "--log-level",
+            "debug",
+        ]
+    )
     assert bridge.engine_address == "127.0.0.1:5" and bridge.connect_timeout_s == 7
     assert bridge.client.max_message_bytes == 8 * 1024 * 1024 and bridge.log_level == "DEBUG"
     assert (worker.namespace, worker.component, worker.endpoint) == ("ns", "backend", "generate")
     assert (worker.discovery_backend, worker.request_plane, worker.event_plane) == (
-        "file", "tcp", "zmq")
+        "file",
+        "tcp",
+        "zmq",
+    )
     assert worker.model_name == str(model_dir) and worker.served_model_name == "tiny"
     assert worker.enable_kv_routing
 
@@ -43,19 +64,24 @@ def test_dynamo_environment_variables_honoured(
     monkeypatch.setenv("DYN_EVENT_PLANE", "zmq")
     monkeypatch.setenv("DYN_NAMESPACE", "envns")
     monkeypatch.setenv("BRIDGE_ENGINE_ADDRESS", "unix:/tmp/x.sock")
-    bridge, worker = parse_args(["--model-path", str(model_dir), "--disable-kv-events",
-                                 "--endpoint", "dyn://a.b.c"])
+    bridge, worker = parse_args(
+        ["--model-path", str(model_dir), "--disable-kv-events", "--endpoint", "dyn://a.b.c"]
+    )
     assert bridge.engine_address == "unix:/tmp/x.sock" and not bridge.kv_events
     assert (worker.discovery_backend, worker.request_plane, worker.event_plane) == (
-        "file", "tcp", "zmq")
+        "file",
+        "tcp",
+        "zmq",
+    )
     assert (worker.namespace, worker.component, worker.endpoint) == ("a", "b", "c")
     assert not worker.enable_kv_routing
 
 
 @pytest.mark.parametrize("backend", ["kubernetes", "etcd", "file", "mem"])
 def test_every_dynamo_discovery_backend_accepted(model_dir: Path, backend: str) -> None:
-    _, worker = parse_args(["--engine", "h:1", "--model-path", str(model_dir),
-                            "--discovery-backend", backend])
+    _, worker = parse_args(
+        ["--engine", "h:1", "--model-path", str(model_dir), "--discovery-backend", backend]
+    )
     assert worker.discovery_backend == backend
 
 
@@ -69,8 +95,9 @@ def test_bad_cli_refused(model_dir: Path, tmp_path: Path, capsys: pytest.Capture
         parse_args(["--engine", "h:1", "--model-path", str(empty)])
     assert "lacks config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_args(["--engine", "h:1", "--model-path", str(model_dir),
-                    "--discovery-backend", "zookeeper"])
+        parse_args(
+            ["--engine", "h:1", "--model-path", str(model_dir), "--discovery-backend", "zookeeper"]
+        )
 
 
 def test_bridge_logger_survives_dynamo_logging_takeover(

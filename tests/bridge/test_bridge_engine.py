@@ -21,8 +21,9 @@ from bridge.engine import BridgeEngine
 
 
 def bridge_for(address: str, timeout: float = 5.0) -> BridgeEngine:
-    return BridgeEngine(BridgeConfig(engine_address=address, model_path="/m",
-                                     connect_timeout_s=timeout))
+    return BridgeEngine(
+        BridgeConfig(engine_address=address, model_path="/m", connect_timeout_s=timeout)
+    )
 
 
 async def collect(engine: BridgeEngine, request: dict[str, Any], ctx: Context) -> list[dict]:
@@ -46,8 +47,13 @@ async def test_start_registers_the_engine_configuration(
     assert config.model == "/m" and config.served_model_name == "fake-model"
     llm = config.llm
     assert llm is not None
-    assert (llm.context_length, llm.kv_cache_block_size, llm.total_kv_blocks, llm.max_num_seqs,
-            llm.max_num_batched_tokens) == (512, 4, 100, 8, 256)
+    assert (
+        llm.context_length,
+        llm.kv_cache_block_size,
+        llm.total_kv_blocks,
+        llm.max_num_seqs,
+        llm.max_num_batched_tokens,
+    ) == (512, 4, 100, 8, 256)
 
 
 async def test_old_server_refused_with_a_clear_message() -> None:
@@ -84,8 +90,11 @@ async def test_rollout_is_one_chunk_with_engine_data(
     served: tuple[FakeServer, BridgeEngine],
 ) -> None:
     server, engine = served
-    request = {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 2},
-               "annotations": ['rollout:{"greedy":true,"request_id":"mine"}']}
+    request = {
+        "token_ids": [5, 6, 7],
+        "stop_conditions": {"max_tokens": 2},
+        "annotations": ['rollout:{"greedy":true,"request_id":"mine"}'],
+    }
     chunks = await collect(engine, request, Context(id="ctx-1"))
     assert len(chunks) == 1
     chunk = chunks[0]
@@ -98,8 +107,9 @@ async def test_rollout_is_one_chunk_with_engine_data(
 
 async def test_ordinary_completion_streams(served: tuple[FakeServer, BridgeEngine]) -> None:
     server, engine = served
-    chunks = await collect(engine, {"token_ids": [1, 2], "output_options": {"logprobs": 0}},
-                           Context(id="ctx-2"))
+    chunks = await collect(
+        engine, {"token_ids": [1, 2], "output_options": {"logprobs": 0}}, Context(id="ctx-2")
+    )
     assert [c["token_ids"] for c in chunks] == [[10], [11], [12], [13], []]
     assert chunks[0]["log_probs"] == [-1.0]
     assert chunks[-1]["finish_reason"] == "length"
@@ -113,8 +123,9 @@ async def test_bad_annotation_and_engine_invalid_argument(
 ) -> None:
     server, engine = served
     with pytest.raises(InvalidArgument, match="unknown keys"):
-        await collect(engine, {"token_ids": [1], "annotations": ['rollout:{"x":1}']},
-                      Context(id="c"))
+        await collect(
+            engine, {"token_ids": [1], "annotations": ['rollout:{"x":1}']}, Context(id="c")
+        )
     server.engine.fail_with = (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0] too big")
     with pytest.raises(InvalidArgument, match=r"prompt_token_ids\[0\] too big"):
         await collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, Context(id="d"))
@@ -126,8 +137,9 @@ async def test_abort_cancels_and_tells_the_engine(
     server, engine = served
     server.engine.hold_rollout = True
     ctx = Context(id="ctx-abort")
-    task = asyncio.create_task(collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]},
-                                       ctx))
+    task = asyncio.create_task(
+        collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, ctx)
+    )
     for _ in range(200):
         if server.engine.running:
             break
@@ -138,7 +150,8 @@ async def test_abort_cancels_and_tells_the_engine(
     chunks = await asyncio.wait_for(task, 5)
     assert chunks[-1]["finish_reason"] == "cancelled"
     assert [(a.request_id, a.instance_id) for a in server.engine.aborts] == [
-        ("ctx-abort", "inst-1")]
+        ("ctx-abort", "inst-1")
+    ]
     for _ in range(200):
         if not server.engine.running:
             break
@@ -164,8 +177,9 @@ async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
         # And a new request fails fast too.
         with pytest.raises(Disconnected):
             async with asyncio.timeout(10):
-                await collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]},
-                              Context(id="y"))
+                await collect(
+                    engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, Context(id="y")
+                )
     finally:
         await engine.cleanup()
 

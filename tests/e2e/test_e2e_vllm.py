@@ -1,0 +1,160 @@
+"""The same path with the real vLLM engine server (CPU build here) behind the bridge."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from procs import (
+    Proc,
+    ProcessGroup,
+    blocking_env,
+    dynamo_env,
+    http_json,
+    wait_for_model,
+    wait_until,
+)
+
+from bridge import driver
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+
+pytestmark = [
+    pytest.mark.dynamo,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+]
+
+MODEL = "tiny-vllm"
+VLLM_ARGS = (
+    "--max-model-len",
+    "1024",
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+    "--max-new-tokens",
+    "24",
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> Iterator[tuple[str, str, Proc]]:
+    root = tmp_path_factory.mktemp("vllm-stack")
+    env = dynamo_env(root / "kv")
+    with ProcessGroup(root / "logs") as group:
+        engine, address = group.engine_server(
+            "engine",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL,
+            *VLLM_ARGS,
+            backend="vllm",
+            timeout=300,
+        )
+        bridge = group.bridge(
+            "bridge",
+            address,
+            model_dir,
+            MODEL,
+            "vllm-e2e",
+            {**env, **blocking_env("vllm", "torch")},
+            "--log-level",
+            "debug",
+        )
+        frontend, base_url = group.frontend("frontend", env)
+        wait_for_model(base_url, MODEL, [engine, bridge, frontend], timeout=300)
+        yield base_url, address, bridge
+
+
+def direct(address: str, prompt: list[int], request_id: str) -> pb.RolloutResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        return stub.Rollout(
+            pb.RolloutRequest(
+                request_id=request_id, prompt_token_ids=prompt, greedy=True, max_new_tokens=16
+            ),
+            timeout=60,
+        )
+
+
+async def test_greedy_rollout_identical_to_the_engine_server(
+    vllm_stack: tuple[str, str, Proc],
+) -> None:
+    base_url, address, _ = vllm_stack
+    # Shorter than a KV block: no prefix-cache hit can make the two runs differ.
+    prompt = [(i * 37) % 900 + 3 for i in range(20)]
+    async with driver.RolloutClient(base_url, MODEL, timeout_s=120) as client:
+        result = await client.rollout(prompt, greedy=True, max_tokens=16)
+    expected = direct(address, prompt, "vllm-direct")
+    assert result.token_ids == list(expected.token_ids) and len(result.token_ids) == 16
+    assert [struct.pack("<d", x) for x in result.logprobs] == [
+        struct.pack("<d", x) for x in expected.logprobs
+    ]
+    assert result.truncated and result.finish_reason == "length"
+
+
+def test_completion_and_chat(vllm_stack: tuple[str, str, Proc]) -> None:
+    base_url, _, _ = vllm_stack
+    status, body = http_json(
+        f"{base_url}/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Hello there",
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "logprobs": 1,
+        },
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 6
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 6
+    status, body = http_json(
+        f"{base_url}/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] is not None
+
+
+def test_client_disconnect_aborts(vllm_stack: tuple[str, str, Proc]) -> None:
+    base_url, address, bridge = vllm_stack
+
+    def in_engine() -> int:
+        with grpc.insecure_channel(address) as channel:
+            load = pb_grpc.EngineServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
+        return load.running_requests + load.waiting_requests + load.registered_requests
+
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        received = b""
+        while received.count(b"data:") < 3:
+            received += sock.recv(4096)
+        assert in_engine() >= 1
+    started = time.monotonic()
+    wait_until(lambda: in_engine() == 0, 15, "vLLM request aborted")
+    assert time.monotonic() - started < 4
+    # Dynamo called the bridge's abort(), which reached the engine server.
+    wait_until(lambda: "ABORT_OUTCOME_" in bridge.log_tail(50_000), 5, "the bridge's abort")
