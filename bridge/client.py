@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
@@ -38,8 +39,15 @@ class ClientOptions:
     # engine server allows pings every 10 s, also without calls.
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
-    # Reconnect quickly after an engine-server restart (gRPC's default cap is 120 s).
-    max_reconnect_backoff_s: float = 5.0
+    # Reconnect quickly after an engine-server restart: gRPC's reconnect backoff
+    # (x1.6 per attempt, +-20% jitter) starts at initial and is capped here (its
+    # default cap is 120 s). A loopback or LAN connection attempt is cheap; a
+    # low cap lets the bridge serve again well within a second of the restarted
+    # server being ready.
+    initial_reconnect_backoff_s: float = 0.1
+    max_reconnect_backoff_s: float = 0.5
+    # Deadline of the health probe Dynamo's canary triggers.
+    health_timeout_s: float = 1.0
     control_timeout_s: float = 10.0
     abort_timeout_s: float = 5.0
 
@@ -52,7 +60,7 @@ class ClientOptions:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff_s * 1000)),
-            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.initial_reconnect_backoff_ms", int(self.initial_reconnect_backoff_s * 1000)),
             # The bridge decides itself what to retry.
             ("grpc.enable_retries", 0),
         ]
@@ -84,6 +92,7 @@ class EngineClient:
             address, options=self.options.channel_options()
         )
         self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def wait_ready(self, timeout_s: float) -> pb.GetServerInfoResponse:
         """Wait for GetServerInfo to succeed (UNAVAILABLE until the engine is up), then
@@ -118,6 +127,19 @@ class EngineClient:
                 continue
             check_compatible(info, self.address)
             return info
+
+    async def serving(self) -> bool:
+        """Whether the engine server answers SERVING for the contract's service now
+        (fails fast: no waiting for a connection)."""
+        try:
+            answer = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=engine_contract.SERVICE_NAME),
+                timeout=self.options.health_timeout_s,
+                wait_for_ready=False,
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     async def server_info(self) -> pb.GetServerInfoResponse:
         return await self._stub.GetServerInfo(

@@ -22,6 +22,7 @@ from dynamo.common.backend.engine import (
     LLMEngine,
     LlmRegistration,
 )
+from dynamo.common.backend.health_check import build_health_check_payload, is_probe
 from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 from dynamo.common.utils.token_ids import normalize_request_token_ids
@@ -111,6 +112,13 @@ class BridgeEngine(LLMEngine):
         self._relay.start()
         return [PushSource(on_ready=self._relay.on_ready, dp_rank=0)]
 
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        """Dynamo's canary (on with ``DYN_HEALTH_CHECK_ENABLED``, shown on the
+        ``DYN_SYSTEM_PORT`` /health): ``generate()`` answers it from the engine
+        server's gRPC health, so /health turns notready while the engine is down."""
+        eos = self.info.eos_token_ids[0] if self.info is not None and self.info.eos_token_ids else 0
+        return build_health_check_payload(eos)
+
     async def cleanup(self) -> None:
         """Stop the KV stream, then close the channel; null-safe and idempotent."""
         if self._closed:
@@ -137,6 +145,13 @@ class BridgeEngine(LLMEngine):
     async def generate(
         self, request: GenerateRequest, context: Context
     ) -> AsyncGenerator[GenerateChunk, None]:
+        if is_probe(request):
+            # No engine work (nor KV-cache churn) for a probe: the server's health says it.
+            client = self._client
+            if client is None or not await client.serving():
+                raise errors.engine_not_serving(self.config.engine_address)
+            yield {"token_ids": [], "index": 0, "finish_reason": "stop"}  # type: ignore[misc]
+            return
         normalize_request_token_ids(request)
         try:
             spec = codec.parse_request_kind(request.get("annotations"))  # type: ignore[arg-type]

@@ -84,3 +84,8 @@ def to_dynamo(exc: BaseException) -> DynamoException:
 def stream_ended_early() -> DynamoException:
     """A Generate stream that ended without its last message: the server went away."""
     return Disconnected("engine server ended the stream before the request finished")
+
+
+def engine_not_serving(address: str) -> DynamoException:
+    """The engine server is down or not SERVING (health probe): migratable."""
+    return Disconnected(f"engine server at {address} is not serving")

@@ -67,6 +67,9 @@ class KvRelay:
         self.known: set[int] = set()
         self._publisher: Any | None = None
         self._pending: list[tuple[str, dict[str, Any]]] = []
+        # While a batch is applied, its events collect here and go to Dynamo in
+        # one publish_batch call (one crossing into Dynamo's runtime per batch).
+        self._outbox: list[tuple[str, dict[str, Any]]] | None = None
         self._overflowed = False
         self._snapshot_next: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,8 +106,7 @@ class KvRelay:
     def set_publisher(self, publisher: Any) -> None:
         self._publisher = publisher
         pending, self._pending = self._pending, []
-        for kind, kwargs in pending:
-            self._publish(kind, kwargs)
+        self._publish_all(pending)
         log.info("kv relay: publisher ready, %d buffered events sent", len(pending))
         if self._overflowed:
             # What overflowed is lost: start over from a snapshot.
@@ -114,7 +116,10 @@ class KvRelay:
 
     def _emit(self, kind: str, kwargs: dict[str, Any]) -> None:
         if self._publisher is not None:
-            self._publish(kind, kwargs)
+            if self._outbox is not None:
+                self._outbox.append((kind, kwargs))
+            else:
+                self._publish(kind, kwargs)
             return
         if self._overflowed:
             return
@@ -127,6 +132,20 @@ class KvRelay:
             self._pending.clear()
             self.known.clear()
             self._overflowed = True
+
+    def _publish_all(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """In order; one ``publish_batch`` call when the publisher has it (Dynamo 1.6.1
+        does), else (or if the batch is refused) one call per event."""
+        publish_batch = getattr(self._publisher, "publish_batch", None)
+        if publish_batch is not None and len(events) > 1:
+            try:
+                # The publisher validates the whole list before it enqueues any of it.
+                publish_batch([{"type": kind, **kwargs} for kind, kwargs in events])
+                return
+            except Exception:
+                log.warning("kv relay: publish_batch failed; publishing one by one", exc_info=True)
+        for kind, kwargs in events:
+            self._publish(kind, kwargs)
 
     def _publish(self, kind: str, kwargs: dict[str, Any]) -> None:
         try:
@@ -151,6 +170,15 @@ class KvRelay:
 
     def apply_batch(self, batch: pb.KvEventBatch) -> Verdict:
         """Apply one batch in order; say whether to go on, skip, or resubscribe."""
+        self._outbox = []
+        try:
+            return self._apply_batch(batch)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            if outbox and self._publisher is not None:
+                self._publish_all(outbox)
+
+    def _apply_batch(self, batch: pb.KvEventBatch) -> Verdict:
         if self._overflowed and self._publisher is None:
             return Verdict.STALE
         if batch.instance_id != self.instance_id:

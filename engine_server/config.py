@@ -60,3 +60,7 @@ class ServerConfig:
     health_poll_interval_s: float = 2.0
     # Finished request ids remembered, so Abort can answer ALREADY_FINISHED.
     finished_ids_remembered: int = 16_384
+    # Watchdog on streams: the longest one write may wait on a client that does
+    # not read before the call is ended (ABORTED) and its engine request aborted.
+    # None: no bound.
+    stream_write_timeout_s: float | None = 30.0

@@ -54,3 +54,15 @@ class EngineRejected(ServerError):
     """The engine refused the request's parameters (after our own checks passed)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class StreamStalled(ServerError):
+    """The client stopped reading a stream: one write waited past the watchdog."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"client did not read the stream for {timeout_s:g}s (stream write timeout); "
+            "the engine request was aborted"
+        )

@@ -7,6 +7,8 @@ to status codes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from engine_server.errors import (
     NotReady,
     RevisionRejected,
     ServerError,
+    StreamStalled,
 )
 from engine_server.kv_events import KvEventHub
 from engine_server.registry import AbortOutcome, ActiveRequest, RequestRegistry
@@ -230,56 +233,82 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
+        # Explicit writes, each bounded by the watchdog: a client that stops
+        # reading would otherwise park the write (HTTP/2 flow control) and keep
+        # the engine request alive for as long as the connection lives.
         try:
             info, _ = self._serving()
             plan = admission.plan_generate(request, info, self._limits)
             with self._registry.track(plan.request_id) as entry:
                 if plan.generates_nothing:
-                    yield pb.GenerateResponse(
-                        finished=pb.GenerateFinished(
-                            finish_reason=pb.FINISH_REASON_LENGTH,
-                            usage=self._usage(plan, None, 0),
-                            instance_id=self._instance_id,
-                        )
+                    await self._write(
+                        context,
+                        pb.GenerateResponse(
+                            finished=pb.GenerateFinished(
+                                finish_reason=pb.FINISH_REASON_LENGTH,
+                                usage=self._usage(plan, None, 0),
+                                instance_id=self._instance_id,
+                            )
+                        ),
                     )
                     return
                 want_logprobs = plan.spec.logprobs is not None
                 want_top = bool(plan.spec.logprobs)
                 completion = 0
-                async for out in self._outputs(plan, entry):
-                    completion += len(out.token_ids)
-                    message = pb.GenerateResponse(token_ids=out.token_ids)
-                    if want_logprobs:
-                        if out.logprobs is None or len(out.logprobs) != len(out.token_ids):
-                            raise EngineFailed("engine returned logprobs not aligned with tokens")
-                        message.logprobs.extend(out.logprobs)
-                    if want_top and out.top_logprobs is not None:
-                        for alternatives in out.top_logprobs:
-                            message.top_logprobs.add(
-                                token_ids=[t for t, _ in alternatives],
-                                logprobs=[lp for _, lp in alternatives],
-                            )
-                    if out.finished:
-                        reason = out.finish_reason or FinishReason.ERROR
-                        finished = message.finished
-                        finished.finish_reason = codec.FINISH_REASONS[reason]
-                        match = (
-                            codec.stop_match(out.stop_reason)
-                            if reason is FinishReason.STOP
-                            else None
-                        )
-                        if match is not None:
-                            finished.matched_stop.CopyFrom(match)
-                        finished.usage.CopyFrom(self._usage(plan, out, completion))
-                        finished.instance_id = self._instance_id
-                        if plan.spec.return_routed_experts and out.routed_experts is not None:
-                            finished.routed_experts.CopyFrom(
-                                codec.routed_experts(out.routed_experts)
-                            )
-                    yield message
+                # aclosing: a stalled write leaves the loop with the generator
+                # suspended; closing it now aborts the engine request now.
+                async with contextlib.aclosing(self._outputs(plan, entry)) as outputs:
+                    async for out in outputs:
+                        completion += len(out.token_ids)
+                        message = pb.GenerateResponse(token_ids=out.token_ids)
+                        if want_logprobs:
+                            if out.logprobs is None or len(out.logprobs) != len(out.token_ids):
+                                raise EngineFailed(
+                                    "engine returned logprobs not aligned with tokens"
+                                )
+                            message.logprobs.extend(out.logprobs)
+                        if want_top and out.top_logprobs is not None:
+                            for alternatives in out.top_logprobs:
+                                message.top_logprobs.add(
+                                    token_ids=[t for t, _ in alternatives],
+                                    logprobs=[lp for _, lp in alternatives],
+                                )
+                        if out.finished:
+                            self._finish(message.finished, plan, out, completion)
+                        await self._write(context, message)
         except ServerError as e:
             await context.abort(e.code, str(e))
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: pb.GenerateResponse) -> None:
+        """One stream write, bounded by ``stream_write_timeout_s`` (None: unbounded).
+        A timer per write (asyncio.timeout: no extra task), nothing more."""
+        timeout = self._config.stream_write_timeout_s
+        if timeout is None:
+            await context.write(message)
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await context.write(message)
+        except TimeoutError:
+            raise StreamStalled(timeout) from None
+
+    def _finish(
+        self,
+        finished: pb.GenerateFinished,
+        plan: admission.Plan,
+        out: EngineOutput,
+        completion: int,
+    ) -> None:
+        reason = out.finish_reason or FinishReason.ERROR
+        finished.finish_reason = codec.FINISH_REASONS[reason]
+        match = codec.stop_match(out.stop_reason) if reason is FinishReason.STOP else None
+        if match is not None:
+            finished.matched_stop.CopyFrom(match)
+        finished.usage.CopyFrom(self._usage(plan, out, completion))
+        finished.instance_id = self._instance_id
+        if plan.spec.return_routed_experts and out.routed_experts is not None:
+            finished.routed_experts.CopyFrom(codec.routed_experts(out.routed_experts))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

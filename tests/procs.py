@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_system_port() -> int:
+    """A free port below 32768: Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an i16."""
+    for _ in range(200):
+        port = random.randint(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
+def health_env(system_port: int, canary_wait_s: int = 1) -> dict[str, str]:
+    """Environment for a worker serving Dynamo's ``/health`` on ``system_port``, with
+    the runtime's canary probing the bridge's endpoint after ``canary_wait_s`` idle."""
+    return {
+        "DYN_SYSTEM_PORT": str(system_port),
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "DYN_CANARY_WAIT_TIME": str(canary_wait_s),
+        "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "1",
+    }
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the session ``pgid`` (a Proc's own) still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def dynamo_env(kv_dir: Path, **extra: str) -> dict[str, str]:
@@ -120,6 +167,15 @@ class Proc:
             self.popen.kill()
             self.popen.wait(10)
 
+    def wait_exit(self, timeout: float) -> int:
+        """The exit code once it ends; raises TimeoutError (with its log) if it does not."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"{self.name} still running after {timeout}s:\n{self.log_tail()}"
+            ) from None
+
 
 def wait_until(
     predicate: Callable[[], Any],
@@ -198,15 +254,18 @@ class ProcessGroup:
         env: dict[str, str] | None = None,
         timeout: float = 60.0,
         listen: str = "127.0.0.1:0",
+        launcher: Sequence[str] = (),
     ) -> tuple[Proc, str]:
         """``python -m engine_server`` (on a free port unless ``listen`` says otherwise);
-        returns (proc, address) once it reports its address."""
+        returns (proc, address) once it reports its address. ``launcher``: a script
+        put before ``-m`` that runs the module itself (tests/faults/skewed_revision.py)."""
         ready = self.log_dir / f"{name}.addr"
         ready.unlink(missing_ok=True)
         proc = self.spawn(
             name,
             [
                 sys.executable,
+                *launcher,
                 "-m",
                 "engine_server",
                 "--backend",
@@ -233,11 +292,13 @@ class ProcessGroup:
         namespace: str,
         env: dict[str, str],
         *args: str,
+        launcher: Sequence[str] = (),
     ) -> Proc:
         return self.spawn(
             name,
             [
                 sys.executable,
+                *launcher,
                 "-m",
                 "bridge",
                 "--engine",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
@@ -137,12 +138,23 @@ class FakeServer:
         self.engine = engine or FakeEngine()
         self.server = grpc.aio.server()
         pb_grpc.add_EngineServiceServicer_to_server(self.engine, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{self.port}"
 
     async def __aenter__(self) -> FakeServer:
+        await self.set_serving(True)
         await self.server.start()
         return self
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        await self.health.set(engine_contract.SERVICE_NAME, status)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.server.stop(grace=None)

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from bridge_fakes import FakeEngine, FakeServer
 from dynamo._core import Context
+from dynamo.common.backend.health_check import is_probe
 from dynamo.common.backend.publisher import PushSource
 from dynamo.llm.exceptions import Disconnected, InvalidArgument
 
@@ -195,3 +196,18 @@ async def test_kv_event_source_and_cleanup(served: tuple[FakeServer, BridgeEngin
     assert server.engine.kv_requests[0].include_snapshot
     await engine.cleanup()
     await engine.cleanup()
+
+
+async def test_health_probe_follows_the_engine_servers_health(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    """Dynamo's canary: answered from the server's gRPC health, never run on the engine."""
+    server, engine = served
+    payload = await engine.health_check_payload()
+    assert payload is not None and is_probe(payload)
+    chunks = await collect(engine, dict(payload), Context())
+    assert chunks == [{"token_ids": [], "index": 0, "finish_reason": "stop"}]
+    assert server.engine.generates == [] and server.engine.rollouts == []
+    await server.set_serving(False)
+    with pytest.raises(Disconnected, match="not serving"):
+        await collect(engine, dict(payload), Context())

@@ -229,3 +229,51 @@ async def test_overflow_before_the_publisher_resubscribes_for_a_snapshot() -> No
         assert pub.live_hashes() == {1, 2, 3}
         await relay.stop()
         await client.close()
+
+
+class BatchingPublisher(RecordingPublisher):
+    """A publisher with Dynamo's publish_batch; optionally refusing every batch."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        super().__init__()
+        self.batches: list[list[dict[str, object]]] = []
+        self.refuse = refuse
+
+    def publish_batch(self, events: list[dict[str, object]]) -> None:
+        if self.refuse:
+            raise ValueError("invalid batch")
+        self.batches.append(events)
+        for event in events:
+            kwargs = dict(event)
+            self.calls.append((str(kwargs.pop("type")), kwargs))
+
+
+def test_each_batch_goes_to_publish_batch_in_one_call() -> None:
+    expected_relay, expected = relay_with_publisher()
+    relay = KvRelay(None, BS)
+    pub = BatchingPublisher()
+    relay.set_publisher(pub)
+    batches = [
+        batch(1, stored(10, 11), stored(12, parent=11), removed(10)),
+        batch(2, stored(13)),
+        batch(3, cleared(), stored(14)),
+    ]
+    for b in batches:
+        assert relay.apply_batch(b) is Verdict.APPLIED
+        assert expected_relay.apply_batch(b) is Verdict.APPLIED
+    # The same events in the same order; several per call, one call per batch
+    # (a single event goes through publish_stored).
+    assert pub.calls == expected.calls
+    assert [len(b) for b in pub.batches] == [3, 2]
+    assert pub.batches[0][0]["type"] == "stored" and pub.batches[0][2]["type"] == "removed"
+
+
+def test_a_refused_batch_is_published_event_by_event() -> None:
+    expected_relay, expected = relay_with_publisher()
+    relay = KvRelay(None, BS)
+    pub = BatchingPublisher(refuse=True)
+    relay.set_publisher(pub)
+    b = batch(1, stored(10, 11), removed(10))
+    assert relay.apply_batch(b) is Verdict.APPLIED
+    expected_relay.apply_batch(b)
+    assert pub.batches == [] and pub.calls == expected.calls

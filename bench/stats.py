@@ -1,0 +1,98 @@
+"""Closed-loop load and the numbers the bench reports."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Cell:
+    """One measurement: ``n`` requests at concurrency ``c``."""
+
+    config: str
+    concurrency: int
+    n: int
+    seconds: float
+    latencies_s: list[float] = field(repr=False)
+    errors: int = 0
+    # CPU milliseconds per request, by process role (when measured).
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rps(self) -> float:
+        return self.n / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.latencies_s, 50) * 1000
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.latencies_s, 99) * 1000
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    low = int(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+async def closed_loop(
+    config: str,
+    send: Callable[[int], Awaitable[object]],
+    concurrency: int,
+    n: int,
+) -> Cell:
+    """``n`` calls of ``send(i)``, ``concurrency`` at a time; latency of each."""
+    latencies: list[float] = []
+    errors = 0
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index, errors
+        while next_index < n:
+            i = next_index
+            next_index += 1
+            started = time.perf_counter()
+            try:
+                await send(i)
+            except Exception:
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+    seconds = time.perf_counter() - started
+    if errors and not latencies:
+        # Surface the failure instead of reporting zeros.
+        await send(0)
+    return Cell(config, concurrency, n - errors, seconds, latencies, errors)
+
+
+def summarize(cells: Sequence[Cell]) -> dict[str, Any]:
+    """Medians over repetitions of one (config, concurrency)."""
+    return {
+        "rps": median([c.rps for c in cells]),
+        "p50_ms": median([c.p50_ms for c in cells]),
+        "p99_ms": median([c.p99_ms for c in cells]),
+        "errors": sum(c.errors for c in cells),
+        "cpu_ms": {
+            k: median([c.cpu_ms.get(k, 0.0) for c in cells])
+            for k in (cells[0].cpu_ms if cells else {})
+        },
+        "reps": len(cells),
+    }

@@ -1,0 +1,81 @@
+"""Part 5 of ``make bench``: rollouts on ``AsyncLLM`` called directly, no server.
+
+``python -m bench.vllm_direct CTL_DIR <vLLM engine server flags>``: the engine
+is built exactly as the engine server builds it (``bench.local_engine`` with
+the vllm backend), then requests go straight to ``AsyncLLM.generate`` with the
+sampling parameters the Rollout RPC would use. ``CTL_DIR/ready`` appears when
+it serves; a ``CTL_DIR/request`` file ``[prompts.json, concurrency, n, rep]``
+runs one measurement into ``CTL_DIR/result-<rep>.json``; ``CTL_DIR/quit`` ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.local_engine import LocalEngine
+from bench.stats import closed_loop
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server import admission
+
+
+async def main() -> None:
+    ctl = Path(sys.argv[1])
+    ctl.mkdir(parents=True, exist_ok=True)
+    local = LocalEngine(["--backend", "vllm", *sys.argv[2:]])
+    await local.start()
+    from engine_server.backends.vllm.sampling import to_sampling_params
+
+    engine = local.backend.engine  # type: ignore[attr-defined]
+    info = local.info
+    defaults = admission.resolve_defaults(local.config.defaults, info)
+    (ctl / "ready").write_text("")
+    counter = 0
+    while not (ctl / "quit").exists():
+        request = ctl / "request"
+        if not request.exists():
+            await asyncio.sleep(0.02)
+            continue
+        prompts_file, concurrency, n, rep = json.loads(request.read_text())
+        request.unlink()
+        prompts = json.loads(Path(prompts_file).read_text())
+
+        async def send(i: int, prompts: list[list[int]] = prompts) -> None:
+            nonlocal counter
+            counter += 1
+            plan = admission.plan_rollout(
+                pb.RolloutRequest(
+                    request_id=f"d{counter}",
+                    prompt_token_ids=prompts[i % len(prompts)],
+                    greedy=True,
+                ),
+                info,
+                defaults,
+                local.config.limits,
+            )
+            params = to_sampling_params(plan.spec)
+            final = None
+            async for out in engine.generate(
+                {"prompt_token_ids": list(plan.prompt_token_ids)}, params, plan.request_id
+            ):
+                final = out
+            assert final is not None and final.finished
+
+        started = time.perf_counter()
+        cell = await closed_loop("direct", send, concurrency, n)
+        result = {
+            "n": cell.n,
+            "seconds": cell.seconds,
+            "latencies_s": cell.latencies_s,
+            "errors": cell.errors,
+            "wall": time.perf_counter() - started,
+        }
+        (ctl / f"result-{rep}.json").write_text(json.dumps(result))
+    await local.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,118 @@
+"""Item 4: SIGTERM on either process drains gracefully within a configurable
+grace period, exits 0 and leaves nothing running.
+
+Engine server: ``--grace-period-s``; requests that finish within it succeed,
+the rest are aborted when it ends. Bridge: Dynamo's
+``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS``; the worker leaves discovery at
+once, requests in flight finish, then ``cleanup()`` cancels whatever is left
+(and the engine aborts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from faults_common import LONG_SIM_ARGS, idle, new_stack, prompt, record, rollout, wait_load
+from procs import ProcessGroup, group_alive, served_models, wait_until
+
+from bridge import driver
+
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+
+MODEL = "tiny-sigterm"
+GRACE_S = 2.0
+# 20 ms per token: 25 tokens end well within the grace period, 1500 never do.
+SHORT, LONG = 25, 1500
+
+
+async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
+    with ProcessGroup(tmp_path / "logs") as group:
+        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        engine, address = stack.start_engine(
+            "engine", *LONG_SIM_ARGS, "--grace-period-s", str(GRACE_S)
+        )
+        bridge = stack.start_bridge("bridge", address)
+        stack.start_frontend()
+        stack.wait_serving()
+        base = stack.base_url
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            short = [
+                asyncio.create_task(rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
+                for i in range(8)
+            ]
+            long = [
+                asyncio.create_task(rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG))
+                for i in range(8)
+            ]
+            await asyncio.to_thread(
+                wait_load, address, lambda load: load.running_requests >= 16, 30
+            )
+            engine.signal(signal.SIGTERM)
+            sent = time.monotonic()
+            # Draining: new requests are refused at once (a migratable 5xx).
+            refused = await rollout(session, base, MODEL, prompt(99), max_tokens=2)
+            assert 500 <= refused.status < 600, (refused.status, refused.body)
+            code = await asyncio.to_thread(engine.wait_exit, GRACE_S + 10)
+            exit_s = time.monotonic() - sent
+            short_done = await asyncio.gather(*short)
+            long_done = await asyncio.gather(*long)
+        assert code == 0
+        assert not group_alive(engine.pid)
+        assert [o.status for o in short_done] == [200] * 8, [o.body for o in short_done]
+        # Past the grace period: aborted by the engine, reported as such (not a hang).
+        reasons = [
+            driver.parse_rollout_response(o.body).finish_reason if o.status == 200 else o.status
+            for o in long_done
+        ]
+        # (A greedy sim rollout may still end early on a stop token.)
+        assert all(r in ("aborted", "stop") or r in (500, 503) for r in reasons), str(reasons)
+        assert reasons.count("aborted") >= len(reasons) // 2, str(reasons)
+        assert GRACE_S - 0.5 < exit_s < GRACE_S + 5, exit_s
+        bridge.check_alive()
+        record(
+            "sigterm_engine_server", grace_period_s=GRACE_S, exit_after_sigterm_s=round(exit_s, 2)
+        )
+
+
+async def test_bridge_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
+    with ProcessGroup(tmp_path / "logs") as group:
+        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        engine, address = stack.start_engine("engine", *LONG_SIM_ARGS)
+        bridge = stack.start_bridge(
+            "bridge", address, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS=str(int(GRACE_S))
+        )
+        frontend = stack.start_frontend()
+        stack.wait_serving()
+        base = stack.base_url
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            short = [
+                asyncio.create_task(rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
+                for i in range(8)
+            ]
+            long = [
+                asyncio.create_task(rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG))
+                for i in range(4)
+            ]
+            await asyncio.to_thread(
+                wait_load, address, lambda load: load.running_requests >= 12, 30
+            )
+            bridge.signal(signal.SIGTERM)
+            sent = time.monotonic()
+            code = await asyncio.to_thread(bridge.wait_exit, 30)
+            exit_s = time.monotonic() - sent
+            short_done = await asyncio.gather(*short)
+            await asyncio.gather(*long)
+        assert code == 0, bridge.log_tail()
+        assert not group_alive(bridge.pid)
+        assert "bridge cleaned up" in bridge.log_tail(100_000)
+        assert [o.status for o in short_done] == [200] * 8, [o.body for o in short_done]
+        # Nothing left running in the engine; the model is gone from the frontend.
+        await asyncio.to_thread(wait_load, address, idle, 5)
+        wait_until(lambda: MODEL not in served_models(base), 10, "the model to go", [frontend])
+        engine.check_alive()
+        record("sigterm_bridge", grace_period_s=GRACE_S, exit_after_sigterm_s=round(exit_s, 2))

@@ -1,0 +1,119 @@
+"""Item 5: a client that stops reading a Generate stream does not hold engine
+resources: the server's write watchdog aborts the engine request and ends the
+call with ABORTED. A raw gRPC client over a real socket, a real server process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from faults_common import record
+from procs import ProcessGroup
+from servers import sim_cli_args
+
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server.cli import build_parser, config_from_args
+
+WATCHDOG_S = 1.0
+# Deltas of one token with 20 top logprobs (~400 bytes each) for up to 30k
+# tokens: far more than the socket and HTTP/2 windows hold, so the server's
+# writes block once the client stops reading.
+MAX_TOKENS = 30_000
+
+
+async def _load(stub: pb_grpc.EngineServiceStub) -> pb.GetLoadResponse:
+    return await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+
+
+async def test_stalled_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None:
+    with ProcessGroup(tmp_path / "logs") as group:
+        engine, address = group.engine_server(
+            "engine",
+            "--stream-write-timeout-s",
+            str(WATCHDOG_S),
+            "--zero-delay",
+            "--context-length",
+            "32768",
+            "--num-kv-blocks",
+            "2100",
+        )
+        # Its own connection (local subchannel pool): the stalled stream must not
+        # share flow-control windows with the control calls below.
+        stalled = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        control = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            stub = pb_grpc.EngineServiceStub(stalled)
+            ctl = pb_grpc.EngineServiceStub(control)
+            call = stub.Generate(
+                pb.GenerateRequest(
+                    request_id="stalled-1",
+                    prompt_token_ids=list(range(10, 42)),
+                    stop=pb.StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True),
+                    output=pb.OutputOptions(logprobs=20),
+                )
+            )
+            # Read a little, then stop reading (the call stays open).
+            for _ in range(5):
+                message = await call.read()
+                assert message.token_ids
+            stalled_at = time.monotonic()
+            load = await _load(ctl)
+            assert load.registered_requests == 1, load
+
+            deadline = stalled_at + WATCHDOG_S + 15.0
+            while time.monotonic() < deadline:
+                load = await _load(ctl)
+                if load.registered_requests == 0 and load.running_requests == 0:
+                    break
+                await asyncio.sleep(0.05)
+            freed_s = time.monotonic() - stalled_at
+            assert load.registered_requests == 0 and load.running_requests == 0, load
+            assert engine.alive()
+            # Reading again drains what was buffered, then the watchdog's status.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async with asyncio.timeout(30):
+                    while True:
+                        message = await call.read()
+                        assert message is not grpc.aio.EOF, "stream ended without an error"
+            assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+            assert "stream write timeout" in (err.value.details() or "")
+            record(
+                "stalled_client",
+                watchdog_s=WATCHDOG_S,
+                engine_request_freed_after_client_stopped_reading_s=round(freed_s, 2),
+            )
+            # The server still serves.
+            ok = stub.Generate(
+                pb.GenerateRequest(
+                    request_id="after-stall",
+                    prompt_token_ids=[5, 6, 7],
+                    stop=pb.StopConditions(max_tokens=4, ignore_eos=True),
+                )
+            )
+            tokens = [t async for m in ok for t in m.token_ids]
+            assert len(tokens) == 4
+        finally:
+            await stalled.close()
+            await control.close()
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", None)], ids=["default", "set", "off"]
+)
+def test_stream_write_timeout_flag(flag: str | None, expected: float | None) -> None:
+    argv = sim_cli_args() + (["--stream-write-timeout-s", flag] if flag is not None else [])
+    assert config_from_args(build_parser("sim").parse_args(argv)).stream_write_timeout_s == expected
+
+
+def test_negative_stream_write_timeout_is_refused() -> None:
+    args = build_parser("sim").parse_args([*sim_cli_args(), "--stream-write-timeout-s", "-1"])
+    with pytest.raises(SystemExit, match="stream-write-timeout-s"):
+        config_from_args(args)

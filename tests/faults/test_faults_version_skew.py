@@ -1,0 +1,90 @@
+"""Item 6: contract-revision skew between real processes.
+
+A bridge refuses an engine server it cannot use, in both directions, exiting 1
+with a message that says which side to upgrade; compatible revisions serve.
+The other revision comes from tests/faults/skewed_revision.py, which runs the
+unchanged program with engine_contract's revision constants overridden.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from faults_common import new_stack
+from procs import ROOT, ProcessGroup, http_json
+
+from bridge import driver
+
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+
+SKEWED = (str(ROOT / "tests" / "faults" / "skewed_revision.py"),)
+
+
+def skew(contract: int, min_client: int = 1, min_server: int = 1) -> dict[str, str]:
+    return {
+        "SKEW_CONTRACT_REVISION": str(contract),
+        "SKEW_MINIMUM_CLIENT_REVISION": str(min_client),
+        "SKEW_MINIMUM_SERVER_REVISION": str(min_server),
+    }
+
+
+@pytest.mark.parametrize(
+    ("server", "bridge", "message"),
+    [
+        pytest.param(
+            {},
+            skew(3, min_server=2),
+            "implements contract revision 1, but this bridge needs at least revision 2: "
+            "upgrade the engine server",
+            id="server-too-old",
+        ),
+        pytest.param(
+            skew(3, min_client=2),
+            {},
+            "client_revision 1 is older than this server accepts (minimum 2, server "
+            "revision 3); upgrade the client",
+            id="bridge-too-old",
+        ),
+    ],
+)
+def test_incompatible_revisions_are_refused(
+    tmp_path: Path, model_dir: Path, server: dict[str, str], bridge: dict[str, str], message: str
+) -> None:
+    with ProcessGroup(tmp_path / "logs") as group:
+        stack = new_stack(tmp_path, group, model_dir, "tiny-skew")
+        _, address = stack.start_engine("engine", env=server, launcher=SKEWED)
+        proc = stack.start_bridge("bridge", address, launcher=SKEWED, **bridge)
+        assert proc.wait_exit(60) == 1
+        log = proc.log_tail(20_000)
+        assert message in log, log
+
+
+@pytest.mark.parametrize(
+    ("server", "bridge", "server_revision"),
+    [
+        pytest.param(skew(2), {}, 2, id="newer-server-accepts-older-bridge"),
+        pytest.param({}, skew(2), 1, id="newer-bridge-accepts-older-server"),
+    ],
+)
+def test_compatible_revisions_serve(
+    tmp_path: Path,
+    model_dir: Path,
+    server: dict[str, str],
+    bridge: dict[str, str],
+    server_revision: int,
+) -> None:
+    model = "tiny-skew-ok"
+    with ProcessGroup(tmp_path / "logs") as group:
+        stack = new_stack(tmp_path, group, model_dir, model)
+        _, address = stack.start_engine("engine", env=server, launcher=SKEWED)
+        proc = stack.start_bridge("bridge", address, launcher=SKEWED, **bridge)
+        stack.start_frontend()
+        stack.wait_serving()
+        status, body = http_json(
+            f"{stack.base_url}/v1/completions",
+            driver.build_rollout_body(model, [5, 6, 7, 8], greedy=True, max_tokens=3),
+        )
+        assert status == 200, body
+        assert len(driver.parse_rollout_response(body).token_ids) == 3
+        assert f", contract {server_revision})" in proc.log_tail(100_000)
