@@ -28,6 +28,9 @@ class AbortOutcome(enum.Enum):
 class ActiveRequest:
     request_id: str
     abort_requested: bool = False
+    # Aborted because the server is shutting down, not because anyone asked:
+    # the caller gets a retryable error instead of a partial result.
+    aborted_for_shutdown: bool = False
     # Set when the request has ended, whatever the reason.
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -81,9 +84,12 @@ class RequestRegistry:
         await self._engine_abort(request_id)
         return AbortOutcome.ABORTED
 
-    async def abort_all(self) -> int:
+    async def abort_all(self, *, shutdown: bool = False) -> int:
         ids = list(self._active)
         for request_id in ids:
+            entry = self._active.get(request_id)
+            if entry is not None and shutdown:
+                entry.aborted_for_shutdown = True
             await self.abort(request_id)
         return len(ids)
 

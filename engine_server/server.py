@@ -126,7 +126,7 @@ class EngineServerHandle:
         self._readiness.draining = True
         await _set_health(self._health, NOT_SERVING)
         if not await self._registry.wait_idle(grace):
-            count = await self._registry.abort_all()
+            count = await self._registry.abort_all(shutdown=True)
             log.warning("[shutdown] grace period over: aborted %d requests", count)
             if not await self._registry.wait_idle(max(grace, 5.0)):
                 log.error("[shutdown] %d requests did not end after abort", len(self._registry))

@@ -103,6 +103,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             async for out in stream:
                 if out.finished:
                     finished = True
+                    if entry.aborted_for_shutdown and out.finish_reason is FinishReason.ABORTED:
+                        raise Draining(
+                            "server shut down before the request finished (grace period over); "
+                            "retry it elsewhere"
+                        )
                 elif entry.abort_requested:
                     # An Abort that raced the engine's admission of the request
                     # found nothing to abort; repeat it now that the engine has it.
@@ -216,16 +221,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         assert last is not None
         if len(logprobs) != len(tokens):
             raise EngineFailed(f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens")
-        reason = last.finish_reason or FinishReason.ERROR
-        response.finish_reason = codec.FINISH_REASONS[reason]
-        match = codec.stop_match(last.stop_reason) if reason is FinishReason.STOP else None
-        if match is not None:
-            response.matched_stop.CopyFrom(match)
-        response.truncated = reason is FinishReason.LENGTH and len(tokens) > 0
-        response.usage.CopyFrom(self._usage(plan, last, len(tokens)))
+        self._finish(response, plan, last, len(tokens))
+        response.truncated = response.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) > 0
         if plan.spec.return_routed_experts:
-            if last.routed_experts is not None:
-                response.routed_experts.CopyFrom(codec.routed_experts(last.routed_experts))
             response.r3_stats.CopyFrom(
                 codec.r3_stats(last.routed_experts, len(plan.prompt_token_ids), len(tokens))
             )
@@ -295,11 +293,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     def _finish(
         self,
-        finished: pb.GenerateFinished,
+        finished: pb.GenerateFinished | pb.RolloutResponse,
         plan: admission.Plan,
         out: EngineOutput,
         completion: int,
     ) -> None:
+        """The fields a last Generate message and a Rollout answer share."""
         reason = out.finish_reason or FinishReason.ERROR
         finished.finish_reason = codec.FINISH_REASONS[reason]
         match = codec.stop_match(out.stop_reason) if reason is FinishReason.STOP else None

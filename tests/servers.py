@@ -124,15 +124,3 @@ def wait_for_load(address: str, predicate: Any, timeout: float = 5.0) -> pb.GetL
             if predicate(load) or time.monotonic() > deadline:
                 return load
             time.sleep(0.02)
-
-
-def tiny_model_dir() -> Path:
-    """The tiny offline model (tokenizer + config + weights), built once and cached."""
-    out = ROOT / ".artifacts" / "tiny-model"
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--out", str(out)],
-        check=True,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-    )
-    return out

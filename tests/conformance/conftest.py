@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from servers import InProcessServer, ServerProcess, sim_cli_args, tiny_model_dir
+from procs import tiny_model_dir
+from servers import InProcessServer, ServerProcess, sim_cli_args
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc

@@ -64,14 +64,17 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
         assert code == 0
         assert not group_alive(engine.pid)
         assert [o.status for o in short_done] == [200] * 8, [o.body for o in short_done]
-        # Past the grace period: aborted by the engine, reported as such (not a hang).
+        # Past the grace period: aborted by the engine and reported as a retryable
+        # (migratable) 5xx, never as a partial result and never a hang.
         reasons = [
             driver.parse_rollout_response(o.body).finish_reason if o.status == 200 else o.status
             for o in long_done
         ]
         # (A greedy sim rollout may still end early on a stop token.)
-        assert all(r in ("aborted", "stop") or r in (500, 503) for r in reasons), str(reasons)
-        assert reasons.count("aborted") >= len(reasons) // 2, str(reasons)
+        assert all(r == "stop" or (isinstance(r, int) and 500 <= r < 600) for r in reasons), str(
+            reasons
+        )
+        assert sum(r != "stop" for r in reasons) >= len(reasons) // 2, str(reasons)
         assert GRACE_S - 0.5 < exit_s < GRACE_S + 5, exit_s
         bridge.check_alive()
         record(
