@@ -1,6 +1,6 @@
 """``make bench``: the gRPC hop's cost, measured side by side in one run.
 
-    python -m bench [--parts 1,2,3,4,5] [--reps 3] [--quick] [--out bench-results]
+    python -m bench [--parts 4,1,2,3,5] [--reps 3] [--quick] [--out bench-results]
 
 1. Rollouts through Dynamo's frontend at concurrency 1/16/64/256: (a) a Dynamo
    worker serving the simulated engine in its own process, (b) bridge + engine
@@ -204,13 +204,16 @@ class Bench:
         for role, name in roles.items():
             try:
                 p = psutil.Process(self.group.get(name).pid) if name else psutil.Process()
-                total = 0.0
-                # With children: vLLM's EngineCore is a child process.
-                for q in [p, *(p.children(recursive=True) if name else [])]:
+                t = p.cpu_times()
+                out[role] = t.user + t.system
+                # Children apart: vLLM's EngineCore is a child process.
+                children = 0.0
+                for q in p.children(recursive=True) if name else []:
                     with contextlib.suppress(psutil.Error):
                         t = q.cpu_times()
-                        total += t.user + t.system
-                out[role] = total
+                        children += t.user + t.system
+                if children:
+                    out[f"{role}-children"] = children
             except (psutil.Error, StopIteration):
                 out[role] = 0.0
         return out
@@ -241,8 +244,15 @@ class Bench:
                     result = await client.rollout(
                         self.prompts[i % len(self.prompts)], greedy=True, max_tokens=max_tokens
                     )
-                    if exact and len(result.token_ids) != max_tokens:
-                        raise RuntimeError(f"{model}: {len(result.token_ids)} tokens")
+                    # A greedy rollout may end on EOS before max_tokens (the same prompts
+                    # in every configuration); anything else is an error.
+                    if exact and not (
+                        len(result.token_ids) == max_tokens
+                        or (result.finish_reason == "stop" and len(result.token_ids) < max_tokens)
+                    ):
+                        raise RuntimeError(
+                            f"{model}: {len(result.token_ids)} tokens, {result.finish_reason}"
+                        )
 
                 return send
 
@@ -591,7 +601,7 @@ class Bench:
         ctl = self.root / "direct"
         wait_until(lambda: (ctl / "ready").exists(), 600, "direct AsyncLLM", [direct])
         concurrency = 16
-        n = 48 if self.args.quick else 128
+        n = 48 if self.args.quick else 384
         reps = self.args.reps
         prompts_file = self.root / "prompts.json"
         prompts_file.write_text(json.dumps(self.prompts[:n]))
@@ -723,7 +733,10 @@ def report(results: dict[str, Any]) -> str:
                     f"| {fmt(b['p99_ms'], 2)} | **{b['rps'] / a['rps']:.2f}** "
                     f"| **{b['p50_ms'] - a['p50_ms']:+.2f}** | {b['p99_ms'] / a['p99_ms']:.2f} |"
                 )
+        errors = sum(r["errors"] for per in p1.values() for r in per.values())
         lines += [
+            "",
+            f"Failed requests (not counted above): {errors}.",
             "",
             "CPU milliseconds per rollout, by process (where the cost goes):",
             "",
@@ -736,10 +749,11 @@ def report(results: dict[str, Any]) -> str:
                 cpu = p1[name][str(c)].get("cpu_ms") or {}
                 if not cpu:
                     continue
-                worker = cpu.get("worker", 0.0) + cpu.get("bridge", 0.0)
+                worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
                 lines.append(
                     f"| {c} | {name} | {cpu.get('frontend', 0):.2f} | {worker:.2f} "
-                    f"| {cpu.get('engine', 0):.2f} | {cpu.get('client', 0):.2f} "
+                    f"| {cpu.get('engine', 0) + cpu.get('engine-children', 0):.2f} "
+                    f"| {cpu.get('client', 0):.2f} "
                     f"| {sum(cpu.values()):.2f} |"
                 )
         lines.append("")
@@ -849,17 +863,20 @@ def report(results: dict[str, Any]) -> str:
             f"| {fmt(st['p50_ms'])} | {fmt(st['p99_ms'])} |",
             f"| **ratio** | **{st['rps'] / d['rps']:.2f}** | | |",
             "",
-            "CPU ms per rollout (vLLM's EngineCore counted with the process that owns it):",
+            "CPU ms per rollout, by process:",
             "",
-            "| path | frontend | bridge | engine server / direct driver | load generator | total |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| path | frontend | bridge | engine server / direct driver | vLLM EngineCore "
+            "| load generator | total |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in (("direct", d), ("stack", st)):
             cpu = r.get("cpu_ms") or {}
-            engine = cpu.get("engine", 0.0) + cpu.get("worker", 0.0)
+            owner = cpu.get("engine", 0.0) + cpu.get("worker", 0.0)
+            core = cpu.get("engine-children", 0.0) + cpu.get("worker-children", 0.0)
             lines.append(
                 f"| {name} | {cpu.get('frontend', 0):.1f} | {cpu.get('bridge', 0):.1f} "
-                f"| {engine:.1f} | {cpu.get('client', 0):.1f} | {sum(cpu.values()):.1f} |"
+                f"| {owner:.1f} | {core:.1f} | {cpu.get('client', 0):.1f} "
+                f"| {sum(cpu.values()):.1f} |"
             )
         lines.append("")
     return "\n".join(lines)

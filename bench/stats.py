@@ -92,7 +92,7 @@ def summarize(cells: Sequence[Cell]) -> dict[str, Any]:
         "errors": sum(c.errors for c in cells),
         "cpu_ms": {
             k: median([c.cpu_ms.get(k, 0.0) for c in cells])
-            for k in (cells[0].cpu_ms if cells else {})
+            for k in sorted({k for c in cells for k in c.cpu_ms})
         },
         "reps": len(cells),
     }
