@@ -132,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
     elif args.tls_client_ca:
         raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
-    if not 0 <= args.top_p <= 1 or args.temperature < 0 or args.top_k < -1:
+    if not 0 < args.top_p <= 1 or args.temperature < 0 or args.top_k < -1:
         raise SystemExit(
             "generation defaults: need temperature >= 0, 0 < top-p <= 1, top-k -1 or >= 0"
         )
