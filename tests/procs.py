@@ -372,3 +372,29 @@ def tiny_model_dir() -> Path:
         stderr=subprocess.DEVNULL,
     )
     return out
+
+
+@contextlib.contextmanager
+def open_sse_stream(
+    base_url: str, body: dict[str, Any], events: int = 3, timeout: float = 30
+) -> Any:
+    """POST a streaming /v1/completions over a raw socket, read ``events`` SSE events,
+    and on leaving the block drop the connection without a word: a client that dies
+    mid-stream, which aiohttp or urllib would not let us imitate as bluntly."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(payload)).encode()
+            + b"\r\n\r\n"
+            + payload
+        )
+        received = b""
+        while received.count(b"data:") < events:
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"stream closed after {received[-500:]!r}")
+            received += chunk
+        yield received

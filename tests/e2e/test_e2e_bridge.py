@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import struct
 import time
 from typing import Any
 
 import pytest
 from e2e_stack import LONG_MODEL, Stack
-from procs import http_json, wait_until
+from procs import http_json, open_sse_stream, wait_until
 from tokenizers import Tokenizer
 
 from bridge import driver
@@ -259,25 +258,9 @@ def bridge_aborts(stack: Stack) -> int:
 
 def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
     aborts = bridge_aborts(stack)
-    host, port = stack.base_url.removeprefix("http://").split(":")
-    body = json.dumps(
-        {"model": LONG_MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
-    ).encode()
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    try:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
-        )
-        received = b""
-        while received.count(b"data:") < 3:
-            received += sock.recv(4096)
+    body = {"model": LONG_MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
+    with open_sse_stream(stack.base_url, body, timeout=10):
         assert engine_running(stack, LONG_MODEL) >= 1
-    finally:
-        sock.close()
     started = time.monotonic()
     wait_until(lambda: engine_running(stack, LONG_MODEL) == 0, 10, "engine request aborted")
     # 3000 tokens at 2 ms per step would take 6 s: it was aborted, not finished.

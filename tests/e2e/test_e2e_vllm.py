@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import socket
 import struct
 import time
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ from procs import (
     blocking_env,
     dynamo_env,
     http_json,
+    open_sse_stream,
     wait_for_model,
     wait_until,
 )
@@ -137,21 +136,14 @@ def test_client_disconnect_aborts(vllm_stack: tuple[str, str, Proc]) -> None:
             load = pb_grpc.EngineServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
         return load.running_requests + load.waiting_requests + load.registered_requests
 
-    host, port = base_url.removeprefix("http://").split(":")
-    body = json.dumps(
-        {"model": MODEL, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
-        )
-        received = b""
-        while received.count(b"data:") < 3:
-            received += sock.recv(4096)
+    body = {
+        "model": MODEL,
+        "prompt": "Once",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with open_sse_stream(base_url, body):
         assert in_engine() >= 1
     started = time.monotonic()
     wait_until(lambda: in_engine() == 0, 15, "vLLM request aborted")

@@ -6,17 +6,12 @@ The backend owns this engine (``VllmBackend(engine_args)``), as with the CLI.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed", allow_module_level=True)
-
 import pytest_asyncio
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm_test_utils import wait_until

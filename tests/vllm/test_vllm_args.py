@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed", allow_module_level=True)
-
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from engine_server.backends.vllm import VllmBackend, _env

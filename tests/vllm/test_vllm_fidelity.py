@@ -9,7 +9,6 @@ both see the same batch shapes and therefore bit-identical float results.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,10 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed", allow_module_level=True)
-
 import pytest_asyncio
 from vllm import SamplingParams
 from vllm.config import KVEventsConfig

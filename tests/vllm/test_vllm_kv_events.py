@@ -8,7 +8,6 @@ stored, and it predicts the engine's prefix-cache hits exactly.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,10 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed", allow_module_level=True)
-
 import pytest_asyncio
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm_test_utils import settle, wait_until

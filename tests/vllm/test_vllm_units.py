@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-
-import pytest
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed", allow_module_level=True)
 
 import msgspec
 import numpy as np
+import pytest
 import zmq
 from vllm.distributed import kv_events as vkv
 from vllm.logprobs import Logprob
