@@ -58,6 +58,16 @@ GEN_TOKENS = 32
 CONCURRENCY = (1, 16, 64, 256)
 LARGE_TOKENS = 16384
 LARGE_EXPERTS = "48,8,128"
+# (b)'s configurations: rollouts multiplexed on a Rollouts stream (the bridge's
+# default) over TCP and a unix socket, and one Rollout call each over TCP.
+TWO_PROCESS = ("grpc-", "hop-grpc-", "unary-", "hop-unary-")
+PART1_MODELS = ("inproc", "grpc-tcp", "grpc-unix", "unary-tcp")
+PART2_PATHS = ("in-process", "grpc-tcp", "grpc-unix", "unary-tcp")
+TRANSPORT_NAMES = {
+    "grpc-tcp": "stream, tcp",
+    "grpc-unix": "stream, unix",
+    "unary-tcp": "unary, tcp",
+}
 
 
 def say(message: str) -> None:
@@ -192,7 +202,7 @@ class Bench:
                 roles["worker"] = proc.name
             elif proc.name == f"bridge-{model}":
                 roles["bridge"] = proc.name
-            elif model.startswith(("grpc-", "hop-grpc-")) and proc.name == (
+            elif model.startswith(TWO_PROCESS) and proc.name == (
                 f"engine-{model.rpartition('-')[2]}"
             ):
                 roles["engine"] = proc.name
@@ -285,7 +295,8 @@ class Bench:
         self.start_engines(args)
         self.start_bridge("grpc-tcp", self.engines["tcp"])
         self.start_bridge("grpc-unix", self.engines["unix"])
-        models = ["inproc", "grpc-tcp", "grpc-unix"]
+        self.start_bridge("unary-tcp", self.engines["tcp"], "--rollout-transport", "unary")
+        models = list(PART1_MODELS)
         self.wait_models(models)
         cells = await self.http_cells(
             models,
@@ -325,16 +336,20 @@ class Bench:
         async def send_local(i: int) -> None:
             await local.rollout(request(i))
 
-        def grpc_sender(client: EngineClient) -> Callable[[int], Any]:
+        def grpc_sender(client: EngineClient, stream: bool) -> Callable[[int], Any]:
             async def send(i: int) -> None:
-                await client.rollout(request(i))
+                if stream:
+                    await client.stream_rollout(request(i))
+                else:
+                    await client.rollout(request(i))
 
             return send
 
         senders = {
             "hop-in-process": send_local,
-            "hop-grpc-tcp": grpc_sender(clients["tcp"]),
-            "hop-grpc-unix": grpc_sender(clients["unix"]),
+            "hop-grpc-tcp": grpc_sender(clients["tcp"], stream=True),
+            "hop-grpc-unix": grpc_sender(clients["unix"], stream=True),
+            "hop-unary-tcp": grpc_sender(clients["tcp"], stream=False),
         }
         names = list(senders)
         cells: dict[str, dict[int, list[Cell]]] = {n: {c: [] for c in CONCURRENCY} for n in names}
@@ -725,11 +740,11 @@ def report(results: dict[str, Any]) -> str:
         ]
         for c in CONCURRENCY:
             a = p1["inproc"][str(c)]
-            for transport in ("grpc-tcp", "grpc-unix"):
+            for transport in PART1_MODELS[1:]:
                 b = p1[transport][str(c)]
                 lines.append(
                     f"| {c} | {fmt(a['rps'])} | {fmt(a['p50_ms'], 2)} | {fmt(a['p99_ms'], 2)} "
-                    f"| {transport[5:]} | {fmt(b['rps'])} | {fmt(b['p50_ms'], 2)} "
+                    f"| {TRANSPORT_NAMES[transport]} | {fmt(b['rps'])} | {fmt(b['p50_ms'], 2)} "
                     f"| {fmt(b['p99_ms'], 2)} | **{b['rps'] / a['rps']:.2f}** "
                     f"| **{b['p50_ms'] - a['p50_ms']:+.2f}** | {b['p99_ms'] / a['p99_ms']:.2f} |"
                 )
@@ -745,13 +760,14 @@ def report(results: dict[str, Any]) -> str:
             "|---:|---|---:|---:|---:|---:|---:|",
         ]
         for c in CONCURRENCY:
-            for name in ("inproc", "grpc-tcp", "grpc-unix"):
+            for name in PART1_MODELS:
                 cpu = p1[name][str(c)].get("cpu_ms") or {}
                 if not cpu:
                     continue
                 worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
                 lines.append(
-                    f"| {c} | {name} | {cpu.get('frontend', 0):.2f} | {worker:.2f} "
+                    f"| {c} | {TRANSPORT_NAMES.get(name, name)} | {cpu.get('frontend', 0):.2f} "
+                    f"| {worker:.2f} "
                     f"| {cpu.get('engine', 0) + cpu.get('engine-children', 0):.2f} "
                     f"| {cpu.get('client', 0):.2f} "
                     f"| {sum(cpu.values()):.2f} |"
@@ -760,7 +776,7 @@ def report(results: dict[str, Any]) -> str:
     p2 = results.get("part2")
     if p2:
         lines += [
-            "## 2. The gRPC hop alone (Rollout RPC from a Python grpc.aio client)",
+            "## 2. The gRPC hop alone (the bridge's EngineClient straight to the engine server)",
             "",
             "CPU ms per rollout: the load generator's process (which runs the engine itself "
             "in the in-process rows) and the engine server's.",
@@ -771,11 +787,12 @@ def report(results: dict[str, Any]) -> str:
         ]
         for c in CONCURRENCY:
             base = p2["in-process"][str(c)]["rps"]
-            for name in ("in-process", "grpc-tcp", "grpc-unix"):
+            for name in PART2_PATHS:
                 r = p2[name][str(c)]
                 cpu = r.get("cpu_ms") or {}
                 lines.append(
-                    f"| {c} | {name} | {fmt(r['rps'])} | {fmt(r['p50_ms'], 3)} "
+                    f"| {c} | {TRANSPORT_NAMES.get(name, name)} | {fmt(r['rps'])} "
+                    f"| {fmt(r['p50_ms'], 3)} "
                     f"| {fmt(r['p99_ms'], 3)} | {r['rps'] / base:.2f} "
                     f"| {cpu.get('client', 0):.2f} | {cpu.get('engine', 0):.2f} |"
                 )
@@ -898,7 +915,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await getattr(bench, f"part{part}")()
             say(f"  ({time.monotonic() - started:.0f}s so far)")
             if part == 2 or (part == 1 and 2 not in parts):
-                bench.stop("worker-inproc", "bridge-grpc-tcp", "bridge-grpc-unix")
+                bench.stop(
+                    "worker-inproc", "bridge-grpc-tcp", "bridge-grpc-unix", "bridge-unary-tcp"
+                )
                 bench.stop("engine-tcp", "engine-unix")
             elif part == 3:
                 bench.stop("worker-large-inproc", "bridge-large-grpc", "engine-large")

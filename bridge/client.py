@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import engine_contract
+from bridge.rollout_mux import PendingRollout, RolloutMux
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
@@ -93,6 +94,15 @@ class EngineClient:
         )
         self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._rollouts = RolloutMux(
+            lambda: self._stub.Rollouts(wait_for_ready=False), self.options.max_message_bytes
+        )
+
+    def use_server_limits(self, info: pb.GetServerInfoResponse) -> None:
+        """Keep streamed batches under the server's message size limit too."""
+        server = info.limits.max_message_bytes
+        if server > 0:
+            self._rollouts.max_message_bytes = min(self.options.max_message_bytes, server)
 
     async def wait_ready(self, timeout_s: float) -> pb.GetServerInfoResponse:
         """Wait for GetServerInfo to succeed (UNAVAILABLE until the engine is up), then
@@ -151,6 +161,11 @@ class EngineClient:
         """The call object, so that an abort can cancel it; await it for the answer."""
         return self._stub.Rollout(request, wait_for_ready=False)
 
+    def stream_rollout(self, request: pb.RolloutRequest) -> PendingRollout:
+        """A rollout on the shared Rollouts stream; await it for the answer, cancel()
+        to abort. Fails like the Rollout call would (``grpc.aio.AioRpcError``)."""
+        return self._rollouts.start(request)
+
     def generate(self, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         return self._stub.Generate(request, wait_for_ready=False)
 
@@ -167,6 +182,7 @@ class EngineClient:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.options.control_timeout_s)
 
     async def close(self) -> None:
+        await self._rollouts.close()
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close(grace=None)

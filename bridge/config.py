@@ -30,6 +30,7 @@ DEFAULT_COMPONENT = "backend"
 DEFAULT_ENDPOINT = "generate"
 # Files the Dynamo frontend reads from the model directory.
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+ROLLOUT_TRANSPORTS = ("auto", "stream", "unary")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,14 @@ class BridgeConfig:
     client: ClientOptions = field(default_factory=ClientOptions)
     log_level: str = "INFO"
     kv_events: bool = True
+    # How rollouts travel: "stream" multiplexes them over one Rollouts stream
+    # (contract revision 2), "unary" makes one Rollout call each, "auto" streams
+    # when the engine server serves Rollouts.
+    rollout_transport: str = "auto"
+    # How long the engine server may hold KV-event batches back to send several
+    # in one message (fewer messages, each costing both sides more CPU than its
+    # events); the router sees events at most this much later.
+    kv_max_delay_ms: int = 2
 
     def __post_init__(self) -> None:
         if not self.engine_address:
@@ -50,6 +59,13 @@ class BridgeConfig:
             raise ValueError(f"connect timeout must be > 0, got {self.connect_timeout_s}")
         if self.client.max_message_bytes <= 0:
             raise ValueError("max message size must be > 0")
+        if not 0 <= self.kv_max_delay_ms <= 100:
+            raise ValueError(f"KV max delay must be in [0, 100] ms, got {self.kv_max_delay_ms}")
+        if self.rollout_transport not in ROLLOUT_TRANSPORTS:
+            raise ValueError(
+                f"rollout transport must be one of {', '.join(ROLLOUT_TRANSPORTS)}, "
+                f"got {self.rollout_transport!r}"
+            )
 
 
 class _Config(DynamoRuntimeConfig):
@@ -128,6 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_argument(
         g,
+        flag_name="--rollout-transport",
+        env_var="BRIDGE_ROLLOUT_TRANSPORT",
+        default="auto",
+        choices=list(ROLLOUT_TRANSPORTS),
+        help="How rollouts reach the engine server: 'stream' multiplexes them over "
+        "one Rollouts stream (far less CPU per rollout on both sides), 'unary' makes "
+        "one Rollout call each, 'auto' streams when the server serves Rollouts "
+        "(contract revision 2 and later).",
+    )
+    add_argument(
+        g,
+        flag_name="--kv-max-delay-ms",
+        env_var="BRIDGE_KV_MAX_DELAY_MS",
+        default=2,
+        arg_type=int,
+        help="How long the engine server may hold KV-event batches back to send "
+        "several in one message, milliseconds (0-100; 0: each at once, batches "
+        "already waiting still share a message).",
+    )
+    add_argument(
+        g,
         flag_name="--log-level",
         env_var="BRIDGE_LOG_LEVEL",
         default="info",
@@ -177,6 +214,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         ),
         log_level=args.log_level.upper(),
         kv_events=not args.disable_kv_events,
+        rollout_transport=args.rollout_transport,
+        kv_max_delay_ms=args.kv_max_delay_ms,
     )
     worker = WorkerConfig.from_runtime_config(
         runtime,

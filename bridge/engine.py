@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from dynamo._core import Context
@@ -27,8 +27,9 @@ from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 from dynamo.common.utils.token_ids import normalize_request_token_ids
 
+import engine_contract
 from bridge import codec, errors
-from bridge.client import EngineClient
+from bridge.client import EngineClient, IncompatibleServerError
 from bridge.config import BridgeConfig, parse_args
 from bridge.kv_relay import KvRelay
 from bridge.logging import configure_bridge_logging
@@ -37,12 +38,20 @@ from engine_contract.v1 import engine_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+class _Call(Protocol):
+    """A gRPC call object, or a rollout on the shared stream: both cancel alike."""
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
 @dataclass
 class _InFlight:
     """One engine request, so that abort() can find and stop it."""
 
     request_id: str
-    call: grpc.aio.Call | None = None
+    call: _Call | None = None
     aborted: bool = False
 
 
@@ -59,6 +68,7 @@ class BridgeEngine(LLMEngine):
         # Keyed by Dynamo's context id.
         self._inflight: dict[str, _InFlight] = {}
         self._closed = False
+        self._stream_rollouts = False
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[BridgeEngine, WorkerConfig]:
@@ -79,9 +89,12 @@ class BridgeEngine(LLMEngine):
         self._client = EngineClient(cfg.engine_address, cfg.client)
         info = await self._client.wait_ready(cfg.connect_timeout_s)
         self.info, self.instance_id = info, info.instance_id
+        self._client.use_server_limits(info)
+        self._stream_rollouts = self._choose_rollout_transport(info)
         ec = info.engine_config
         log.info(
-            "engine server %s ready: %s (%s %s, contract %d), context %d, block size %d",
+            "engine server %s ready: %s (%s %s, contract %d), context %d, block size %d, "
+            "rollouts %s",
             info.instance_id,
             info.model_name,
             info.backend_name,
@@ -89,6 +102,7 @@ class BridgeEngine(LLMEngine):
             info.contract_revision,
             ec.context_length,
             ec.kv_block_size,
+            "multiplexed on a stream" if self._stream_rollouts else "one call each",
         )
         return EngineConfig(
             model=cfg.model_path,
@@ -102,13 +116,31 @@ class BridgeEngine(LLMEngine):
             ),
         )
 
+    def _choose_rollout_transport(self, info: pb.GetServerInfoResponse) -> bool:
+        """True to stream rollouts; refuses a server too old for a required stream."""
+        serves_stream = info.contract_revision >= engine_contract.ROLLOUTS_STREAM_REVISION
+        transport = self.config.rollout_transport
+        if transport == "stream" and not serves_stream:
+            raise IncompatibleServerError(
+                f"engine server at {self.config.engine_address} implements contract revision "
+                f"{info.contract_revision}, without the Rollouts stream (revision "
+                f"{engine_contract.ROLLOUTS_STREAM_REVISION}) that --rollout-transport "
+                "stream needs: upgrade the engine server or use auto"
+            )
+        return transport == "stream" or (transport == "auto" and serves_stream)
+
     async def kv_event_sources(self) -> list[KvEventSource]:
         if self._client is None or self.info is None or not self.config.kv_events:
             return []
         block_size = self.info.engine_config.kv_block_size
         if block_size <= 0:
             return []
-        self._relay = KvRelay(self._client, block_size, on_instance_change=self._set_instance)
+        self._relay = KvRelay(
+            self._client,
+            block_size,
+            on_instance_change=self._set_instance,
+            max_delay_ms=self.config.kv_max_delay_ms,
+        )
         self._relay.start()
         return [PushSource(on_ready=self._relay.on_ready, dp_rank=0)]
 
@@ -199,7 +231,9 @@ class BridgeEngine(LLMEngine):
     ) -> AsyncGenerator[dict[str, Any], None]:
         try:
             message = codec.build_rollout_request(entry.request_id, request, spec)
-            call = client.rollout(message)
+            call: _Call = (
+                client.stream_rollout(message) if self._stream_rollouts else client.rollout(message)
+            )
             entry.call = call
             response = await call
             chunk = codec.rollout_chunk(response)

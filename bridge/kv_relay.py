@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -55,12 +55,18 @@ class KvRelay:
         on_instance_change: Callable[[str], None] | None = None,
         max_buffered: int = 100_000,
         backoff_s: tuple[float, float] = (0.1, 5.0),
+        max_batches_per_message: int = 256,
+        max_delay_ms: int = 0,
     ) -> None:
         self._client = client
         self.block_size = block_size
         self._on_instance_change = on_instance_change
         self._max_buffered = max_buffered
         self._backoff_s = backoff_s
+        # Several engine batches per stream message (servers of contract
+        # revision 2; older ones send one each): fewer messages to pay for.
+        self._max_batches_per_message = max_batches_per_message
+        self._max_delay_ms = max_delay_ms
         self.instance_id: str | None = None
         self.last_seq: int | None = None
         # Signed hashes published (or buffered) and not removed since.
@@ -160,19 +166,39 @@ class KvRelay:
 
     def subscription_request(self) -> pb.SubscribeKvEventsRequest:
         """Where to (re)start: a snapshot first, then resume after the last batch."""
+        packing = {
+            "max_batches_per_message": self._max_batches_per_message,
+            "max_delay_ms": self._max_delay_ms,
+        }
         if self.instance_id is None or self.last_seq is None:
-            return pb.SubscribeKvEventsRequest(include_snapshot=True)
+            return pb.SubscribeKvEventsRequest(include_snapshot=True, **packing)
         return pb.SubscribeKvEventsRequest(
             start_sequence_number=self.last_seq + 1,
             snapshot_if_unavailable=True,
             expected_instance_id=self.instance_id,
+            **packing,
         )
 
     def apply_batch(self, batch: pb.KvEventBatch) -> Verdict:
         """Apply one batch in order; say whether to go on, skip, or resubscribe."""
+        return self.apply_batches((batch,))
+
+    def apply_message(self, message: pb.SubscribeKvEventsResponse) -> Verdict:
+        """A stream message: several batches (``batches``) or one (``batch``)."""
+        return self.apply_batches(message.batches if len(message.batches) else (message.batch,))
+
+    def apply_batches(self, batches: Sequence[pb.KvEventBatch]) -> Verdict:
+        """Apply batches in order, their events published into Dynamo together;
+        RESYNC stops at the batch that needs it."""
         self._outbox = []
+        applied = False
         try:
-            return self._apply_batch(batch)
+            for batch in batches:
+                verdict = self._apply_batch(batch)
+                if verdict is Verdict.RESYNC:
+                    return verdict
+                applied = applied or verdict is Verdict.APPLIED
+            return Verdict.APPLIED if applied else Verdict.STALE
         finally:
             outbox, self._outbox = self._outbox, None
             if outbox and self._publisher is not None:
@@ -292,7 +318,7 @@ class KvRelay:
             self._call, self._resync = call, False
             try:
                 async for response in call:
-                    verdict = self.apply_batch(response.batch)
+                    verdict = self.apply_message(response)
                     if verdict is Verdict.APPLIED:
                         delay = low
                     elif verdict is Verdict.RESYNC:

@@ -7,9 +7,16 @@ this file and ``v1/__init__.py`` are written by hand.
 
 # Bump on every behavioural change to the contract. Servers accept clients from
 # MINIMUM_CLIENT_REVISION on; clients accept servers from MINIMUM_SERVER_REVISION on.
-CONTRACT_REVISION = 1
+# Revision history:
+#   1  first release.
+#   2  Rollouts: many rollouts multiplexed over one bidirectional stream;
+#      SubscribeKvEvents may pack several batches into one message.
+CONTRACT_REVISION = 2
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
+# The first server revision that serves Rollouts (clients fall back to Rollout
+# calls on older servers).
+ROLLOUTS_STREAM_REVISION = 2
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
@@ -17,5 +24,6 @@ __all__ = [
     "CONTRACT_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",
+    "ROLLOUTS_STREAM_REVISION",
     "SERVICE_NAME",
 ]

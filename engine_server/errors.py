@@ -61,8 +61,8 @@ class StreamStalled(ServerError):
 
     code = grpc.StatusCode.ABORTED
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, aborted: str = "the engine request") -> None:
         super().__init__(
             f"client did not read the stream for {timeout_s:g}s (stream write timeout); "
-            "the engine request was aborted"
+            f"{aborted} was aborted"
         )

@@ -27,6 +27,10 @@ from engine_server.errors import KvPositionUnavailable
 
 log = logging.getLogger(__name__)
 
+# Caps on what a subscriber may ask for (SubscribeKvEventsRequest).
+MAX_BATCHES_PER_MESSAGE = 1024
+MAX_DELAY_MS = 100
+
 
 @dataclass(frozen=True)
 class CachedBlock:
@@ -101,10 +105,22 @@ def encode_event(event: object) -> pb.KvEvent:
     raise TypeError(f"not a KV event: {event!r}")
 
 
+def _packed(batches: list[pb.KvEventBatch]) -> pb.SubscribeKvEventsResponse:
+    return pb.SubscribeKvEventsResponse(batches=batches)
+
+
 class KvEventHub:
-    def __init__(self, instance_id: str, replay_batches: int, snapshot_chunk_blocks: int) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        replay_batches: int,
+        snapshot_chunk_blocks: int,
+        max_message_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
         if replay_batches < 1:
             raise ValueError("kv_replay_batches must be at least 1")
+        # Packed messages stay well under the message size limit.
+        self._pack_bytes = max_message_bytes // 2
         self.instance_id = instance_id
         self.mirror = BlockMirror()
         self.last_seq = 0
@@ -179,6 +195,22 @@ class KvEventHub:
             )
         return messages
 
+    def _pack(self, cursor: int, most: int) -> tuple[pb.SubscribeKvEventsResponse, int]:
+        """Up to ``most`` waiting batches from ``cursor`` in one message, within the
+        size budget (one batch always goes, whatever its size)."""
+        batches: list[pb.KvEventBatch] = []
+        size = 0
+        while cursor <= self.last_seq and len(batches) < most:
+            message = self._ring[cursor % self._capacity]
+            assert message is not None
+            batch = message.batch
+            size += batch.ByteSize()
+            if batches and size > self._pack_bytes:
+                break
+            batches.append(batch)
+            cursor += 1
+        return _packed(batches), cursor
+
     def _start_cursor(self, request: pb.SubscribeKvEventsRequest) -> int | None:
         """Where a subscription starts; None means "with a snapshot"."""
         if request.include_snapshot:
@@ -208,11 +240,23 @@ class KvEventHub:
             return None
         raise KvPositionUnavailable(f"{problem}; subscribe with snapshot_if_unavailable")
 
-    async def subscribe(
+    def subscribe(
         self, request: pb.SubscribeKvEventsRequest
     ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
-        """Yield batches from the requested position, then live, until the hub closes."""
-        cursor = self._start_cursor(request)
+        """Batches from the requested position, then live, until the hub closes.
+
+        The position is fixed by this call, before the first batch is read: a
+        live subscription misses nothing emitted after it (the servicer sends
+        the call's headers only then). Raises KvPositionUnavailable at once.
+        """
+        return self._stream(request, self._start_cursor(request))
+
+    async def _stream(
+        self, request: pb.SubscribeKvEventsRequest, cursor: int | None
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        most = min(request.max_batches_per_message, MAX_BATCHES_PER_MESSAGE)
+        delay = min(request.max_delay_ms, MAX_DELAY_MS) / 1000 if most > 1 else 0.0
+        held = False
         self.subscribers += 1
         try:
             while not self._closed:
@@ -220,22 +264,34 @@ class KvEventHub:
                     messages = self.snapshot()
                     cursor = self.last_seq + 1
                     for message in messages:
-                        yield message
-                while cursor <= self.last_seq and not self._closed:
-                    if cursor < self.oldest_seq:
-                        if not request.snapshot_if_unavailable and not request.include_snapshot:
-                            raise KvPositionUnavailable(
-                                f"subscriber fell behind: batch {cursor} left the replay buffer "
-                                f"(oldest is {self.oldest_seq}); resubscribe with a snapshot"
-                            )
-                        log.warning("KV subscriber fell behind at %d; sending a snapshot", cursor)
-                        cursor = None
-                        break
+                        yield message if most <= 1 else _packed([message.batch])
+                    continue
+                if cursor > self.last_seq:
+                    await self._new_data.wait()
+                    continue
+                if cursor < self.oldest_seq:
+                    if not request.snapshot_if_unavailable and not request.include_snapshot:
+                        raise KvPositionUnavailable(
+                            f"subscriber fell behind: batch {cursor} left the replay buffer "
+                            f"(oldest is {self.oldest_seq}); resubscribe with a snapshot"
+                        )
+                    log.warning("KV subscriber fell behind at %d; sending a snapshot", cursor)
+                    cursor = None
+                    continue
+                if most <= 1:
                     message = self._ring[cursor % self._capacity]
                     assert message is not None
                     cursor += 1
                     yield message
-                if cursor is not None and cursor > self.last_seq:
-                    await self._new_data.wait()
+                    continue
+                if delay and not held and self.last_seq - cursor + 1 < most:
+                    # Hold the first waiting batch back so that those the engine
+                    # emits meanwhile share its message.
+                    held = True
+                    await asyncio.sleep(delay)
+                    continue
+                held = False
+                message, cursor = self._pack(cursor, most)
+                yield message
         finally:
             self.subscribers -= 1

@@ -83,6 +83,7 @@ class EngineServerHandle:
     _registry: RequestRegistry
     _hub: KvEventHub
     _readiness: Readiness
+    _servicer: EngineServicer
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ready: asyncio.Future[EngineInfo] = field(default_factory=asyncio.Future)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -131,6 +132,7 @@ class EngineServerHandle:
             if not await self._registry.wait_idle(max(grace, 5.0)):
                 log.error("[shutdown] %d requests did not end after abort", len(self._registry))
         self._hub.close()
+        self._servicer.close_streams()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,7 +164,12 @@ async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineSe
         )
     instance_id = uuid.uuid4().hex
     readiness = Readiness()
-    hub = KvEventHub(instance_id, config.kv_replay_batches, config.kv_snapshot_chunk_blocks)
+    hub = KvEventHub(
+        instance_id,
+        config.kv_replay_batches,
+        config.kv_snapshot_chunk_blocks,
+        config.limits.max_message_bytes,
+    )
     registry = RequestRegistry(backend.abort, config.finished_ids_remembered)
     health = HealthServicer()
     server = grpc.aio.server(options=grpc_server_options(config))
@@ -202,6 +209,7 @@ async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineSe
         _registry=registry,
         _hub=hub,
         _readiness=readiness,
+        _servicer=servicer,
     )
     log.info("engine server listening on %s (instance %s)", address, instance_id)
     handle._tasks.append(asyncio.create_task(_start_engine(handle), name="engine-start"))

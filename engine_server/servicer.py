@@ -41,6 +41,7 @@ from engine_server.errors import (
 )
 from engine_server.kv_events import KvEventHub
 from engine_server.registry import AbortOutcome, ActiveRequest, RequestRegistry
+from engine_server.rollout_stream import RolloutStream
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self._registry = registry
         self._hub = hub
         self._ready = readiness
+        self._streams: set[RolloutStream] = set()
 
     # -- helpers -----------------------------------------------------------
 
@@ -195,15 +197,50 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.RolloutRequest, context: grpc.aio.ServicerContext
     ) -> pb.RolloutResponse:
         try:
-            info, defaults = self._serving()
-            plan = admission.plan_rollout(request, info, defaults, self._limits)
-            return await self._rollout(plan)
+            response = pb.RolloutResponse()
+            await self._answer_rollout(request, response)
+            return response
         except ServerError as e:
             await context.abort(e.code, str(e))
         raise AssertionError("unreachable: context.abort raises")
 
-    async def _rollout(self, plan: admission.Plan) -> pb.RolloutResponse:
-        response = pb.RolloutResponse(request_id=plan.request_id, instance_id=self._instance_id)
+    async def Rollouts(
+        self,
+        request_iterator: AsyncIterator[pb.RolloutsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        stream = RolloutStream(
+            self._answer_rollout,
+            context,
+            max_message_bytes=self._limits.max_message_bytes,
+            write_timeout_s=self._config.stream_write_timeout_s,
+        )
+        self._streams.add(stream)
+        try:
+            await stream.serve(request_iterator)
+        except ServerError as e:
+            await context.abort(e.code, str(e))
+        finally:
+            self._streams.discard(stream)
+
+    def close_streams(self) -> None:
+        """Shutting down: Rollouts streams answer what runs on them, then end."""
+        for stream in self._streams:
+            stream.close()
+
+    async def _answer_rollout(self, request: pb.RolloutRequest, into: pb.RolloutResponse) -> None:
+        """A Rollout's answer, written into ``into``; raises ServerError."""
+        info, defaults = self._serving()
+        plan = admission.plan_rollout(request, info, defaults, self._limits)
+        await self._rollout(plan, into)
+
+    async def _rollout(
+        self, plan: admission.Plan, response: pb.RolloutResponse | None = None
+    ) -> pb.RolloutResponse:
+        if response is None:
+            response = pb.RolloutResponse()
+        response.request_id = plan.request_id
+        response.instance_id = self._instance_id
         with self._registry.track(plan.request_id) as entry:
             if plan.generates_nothing:
                 # NeMo RL's "nothing generated": the prompt alone, untruncated.
@@ -337,11 +374,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
-        # Headers now: the stream may stay quiet for long, and some clients
-        # wait for headers before they report the call as started.
-        await context.send_initial_metadata(())
         try:
-            async for message in self._hub.subscribe(request):
+            stream = self._hub.subscribe(request)
+            # Headers once the position is fixed, so that a client may wait for
+            # them before it makes the engine emit what it wants to see; and
+            # now, because the stream may stay quiet for long.
+            await context.send_initial_metadata(())
+            async for message in stream:
                 yield message
         except ServerError as e:
             await context.abort(e.code, str(e))

@@ -179,6 +179,46 @@ class RolloutResponse(_message.Message):
     instance_id: str
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop: _Optional[_Union[StopMatch, _Mapping]] = ..., truncated: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., r3_stats: _Optional[_Union[R3Stats, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
+class RolloutsRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[RolloutStart]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[_Union[RolloutStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RolloutStart(_message.Message):
+    __slots__ = ("tag", "rollout")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    rollout: RolloutRequest
+    def __init__(self, tag: _Optional[int] = ..., rollout: _Optional[_Union[RolloutRequest, _Mapping]] = ...) -> None: ...
+
+class RolloutsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RolloutResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RolloutResult, _Mapping]]] = ...) -> None: ...
+
+class RolloutResult(_message.Message):
+    __slots__ = ("tag", "response", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    response: RolloutResponse
+    error: RolloutError
+    def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[RolloutResponse, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ...) -> None: ...
+
+class RolloutError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class RoutedExperts(_message.Message):
     __slots__ = ("data", "dtype", "shape")
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -330,22 +370,28 @@ class AbortResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[AbortOutcome, str]] = ..., aborted_count: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
-    __slots__ = ("start_sequence_number", "include_snapshot", "snapshot_if_unavailable", "expected_instance_id")
+    __slots__ = ("start_sequence_number", "include_snapshot", "snapshot_if_unavailable", "expected_instance_id", "max_batches_per_message", "max_delay_ms")
     START_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_IF_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     start_sequence_number: int
     include_snapshot: bool
     snapshot_if_unavailable: bool
     expected_instance_id: str
-    def __init__(self, start_sequence_number: _Optional[int] = ..., include_snapshot: _Optional[bool] = ..., snapshot_if_unavailable: _Optional[bool] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+    max_batches_per_message: int
+    max_delay_ms: int
+    def __init__(self, start_sequence_number: _Optional[int] = ..., include_snapshot: _Optional[bool] = ..., snapshot_if_unavailable: _Optional[bool] = ..., expected_instance_id: _Optional[str] = ..., max_batches_per_message: _Optional[int] = ..., max_delay_ms: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsResponse(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "batches")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     batch: KvEventBatch
-    def __init__(self, batch: _Optional[_Union[KvEventBatch, _Mapping]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[KvEventBatch]
+    def __init__(self, batch: _Optional[_Union[KvEventBatch, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[KvEventBatch, _Mapping]]] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
     __slots__ = ("instance_id", "sequence_number", "events", "timestamp_unix_nanos", "data_parallel_rank", "snapshot")

@@ -48,6 +48,11 @@ class EngineServiceStub:
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.RolloutRequest.SerializeToString,
                 response_deserializer=engine__contract_dot_v1_dot_engine__pb2.RolloutResponse.FromString,
                 _registered_method=True)
+        self.Rollouts = channel.stream_stream(
+                '/engine_contract.v1.EngineService/Rollouts',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.RolloutsRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.RolloutsResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/engine_contract.v1.EngineService/Generate',
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
@@ -101,6 +106,23 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollouts(self, request_iterator, context):
+        """Many rollouts over one long-lived call (contract revision 2): the same
+        rollouts as Rollout, answered the same way, without paying a gRPC call per
+        rollout. Either side packs everything it has ready into one message, so
+        under load one message carries many rollouts. Each started rollout gets
+        exactly one RolloutResult, in completion order, unless the stream ends
+        first. A failed rollout fails alone (its result carries the status code
+        Rollout would have ended with); the stream goes on. Ending the stream (the
+        client cancels, disconnects, or dies) aborts every rollout still running on
+        it; half-closing lets them finish and the server then ends the stream with
+        OK. A server that cannot write a batch within its stream write timeout (the
+        client stopped reading) aborts them all and ends the stream with ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """An ordinary completion, streamed as deltas of one or more tokens. The last
         message carries `finished`. Cancelling the call aborts the engine request.
@@ -118,7 +140,9 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubscribeKvEvents(self, request, context):
-        """KV-cache events, in batches with contiguous sequence numbers.
+        """KV-cache events, in batches with contiguous sequence numbers. The response
+        headers come once the subscription's position is fixed: a live
+        subscription gets every batch the engine emits after them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +175,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Rollout,
                     request_deserializer=engine__contract_dot_v1_dot_engine__pb2.RolloutRequest.FromString,
                     response_serializer=engine__contract_dot_v1_dot_engine__pb2.RolloutResponse.SerializeToString,
+            ),
+            'Rollouts': grpc.stream_stream_rpc_method_handler(
+                    servicer.Rollouts,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.RolloutsRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.RolloutsResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -236,6 +265,33 @@ class EngineService:
             '/engine_contract.v1.EngineService/Rollout',
             engine__contract_dot_v1_dot_engine__pb2.RolloutRequest.SerializeToString,
             engine__contract_dot_v1_dot_engine__pb2.RolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollouts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/engine_contract.v1.EngineService/Rollouts',
+            engine__contract_dot_v1_dot_engine__pb2.RolloutsRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.RolloutsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server.errors import ServerError
+from engine_server.rollout_stream import RolloutStream
 
 
 @dataclass
@@ -61,9 +63,30 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
         return self.info()
 
     async def Rollout(self, request: Any, context: Any) -> pb.RolloutResponse:
+        try:
+            return await self._answer(request)
+        except ServerError as e:
+            await context.abort(e.code, str(e))
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def Rollouts(self, request_iterator: Any, context: Any) -> None:
+        """The real server's stream handling around this fake's answers."""
+
+        async def answer(request: pb.RolloutRequest, into: pb.RolloutResponse) -> None:
+            into.CopyFrom(await self._answer(request))
+
+        stream = RolloutStream(answer, context, max_message_bytes=64 << 20, write_timeout_s=None)
+        try:
+            await stream.serve(request_iterator)
+        except ServerError as e:
+            await context.abort(e.code, str(e))
+
+    async def _answer(self, request: pb.RolloutRequest) -> pb.RolloutResponse:
         self.rollouts.append(request)
         if self.fail_with is not None:
-            await context.abort(*self.fail_with)
+            failure = ServerError(self.fail_with[1])
+            failure.code = self.fail_with[0]
+            raise failure
         self.running.add(request.request_id)
         try:
             if self.hold_rollout:

@@ -39,6 +39,11 @@ def batch(
     return b
 
 
+def subscription(**fields: object) -> pb.SubscribeKvEventsRequest:
+    """What the relay asks for: a position, and its batch packing."""
+    return pb.SubscribeKvEventsRequest(max_batches_per_message=256, **fields)  # type: ignore[arg-type]
+
+
 def relay_with_publisher() -> tuple[KvRelay, RecordingPublisher]:
     relay = KvRelay(None, BS)
     publisher = RecordingPublisher()
@@ -55,7 +60,7 @@ def test_signed_conversion() -> None:
 
 def test_snapshot_then_live_batches_are_published() -> None:
     relay, pub = relay_with_publisher()
-    assert relay.subscription_request() == pb.SubscribeKvEventsRequest(include_snapshot=True)
+    assert relay.subscription_request() == subscription(include_snapshot=True)
     assert (
         relay.apply_batch(batch(3, cleared(), stored(10, 11), snapshot=(0, False)))
         is Verdict.APPLIED
@@ -76,7 +81,7 @@ def test_snapshot_then_live_batches_are_published() -> None:
     assert pub.calls[2][1]["block_hashes"] == [to_signed(BIG)] and to_signed(BIG) < 0
     assert pub.calls[3] == ("removed", {"block_hashes": [10]})
     assert pub.live_hashes() == relay.known == {11, 12, to_signed(BIG)}
-    assert relay.subscription_request() == pb.SubscribeKvEventsRequest(
+    assert relay.subscription_request() == subscription(
         start_sequence_number=5, snapshot_if_unavailable=True, expected_instance_id="A"
     )
 
@@ -114,7 +119,7 @@ def test_new_instance_without_snapshot_needs_one_unless_from_the_start() -> None
     relay.apply_batch(batch(1, stored(1)))
     assert relay.apply_batch(batch(9, stored(5), instance="B")) is Verdict.RESYNC
     assert pub.live_hashes() == set()  # the old instance's blocks are gone
-    assert relay.subscription_request() == pb.SubscribeKvEventsRequest(include_snapshot=True)
+    assert relay.subscription_request() == subscription(include_snapshot=True)
     # A new instance's very first batch is its whole history.
     relay2, pub2 = relay_with_publisher()
     assert relay2.apply_batch(batch(1, stored(4), instance="C")) is Verdict.APPLIED
@@ -167,7 +172,7 @@ def test_buffer_overflow_asks_for_a_new_snapshot() -> None:
     pub = RecordingPublisher()
     relay.set_publisher(pub)
     assert pub.calls == []
-    assert relay.subscription_request() == pb.SubscribeKvEventsRequest(include_snapshot=True)
+    assert relay.subscription_request() == subscription(include_snapshot=True)
 
 
 def test_malformed_stored_event_skipped() -> None:
@@ -194,7 +199,7 @@ async def test_stream_subscribes_resumes_and_stops() -> None:
             await asyncio.sleep(0.01)
         assert pub.live_hashes() == {1, 2, 3}
         assert fake.kv_requests[0].include_snapshot
-        assert fake.kv_requests[1] == pb.SubscribeKvEventsRequest(
+        assert fake.kv_requests[1] == subscription(
             start_sequence_number=4, snapshot_if_unavailable=True, expected_instance_id="A"
         )
         await relay.stop()

@@ -21,31 +21,39 @@ class Subscriber:
         self.parents: dict[int, int | None] = {}
         self.unknown_removals = 0
         self.changed = asyncio.Event()
+        self.messages = 0
         self.task = asyncio.ensure_future(self._run())
+
+    async def started(self) -> Subscriber:
+        """Wait for the headers: from then on no batch is missed."""
+        await asyncio.wait_for(self.call.initial_metadata(), 10)
+        return self
 
     async def _run(self) -> None:
         async for message in self.call:
-            batch = message.batch
-            self.batches.append(batch)
-            for event in batch.events:
-                kind = event.WhichOneof("event")
-                if kind == "stored":
-                    stored = event.stored
-                    parent = (
-                        stored.parent_block_hash if stored.HasField("parent_block_hash") else None
-                    )
-                    size = stored.block_size
-                    for i, block_hash in enumerate(stored.block_hashes):
-                        self.blocks[block_hash] = tuple(stored.token_ids[i * size : (i + 1) * size])
-                        self.parents[block_hash] = parent
-                        parent = block_hash
-                elif kind == "removed":
-                    for block_hash in event.removed.block_hashes:
-                        if self.blocks.pop(block_hash, None) is None:
-                            self.unknown_removals += 1
-                else:
-                    self.blocks.clear()
+            self.messages += 1
+            for batch in message.batches if len(message.batches) else (message.batch,):
+                self._apply(batch)
             self.changed.set()
+
+    def _apply(self, batch: pb.KvEventBatch) -> None:
+        self.batches.append(batch)
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind == "stored":
+                stored = event.stored
+                parent = stored.parent_block_hash if stored.HasField("parent_block_hash") else None
+                size = stored.block_size
+                for i, block_hash in enumerate(stored.block_hashes):
+                    self.blocks[block_hash] = tuple(stored.token_ids[i * size : (i + 1) * size])
+                    self.parents[block_hash] = parent
+                    parent = block_hash
+            elif kind == "removed":
+                for block_hash in event.removed.block_hashes:
+                    if self.blocks.pop(block_hash, None) is None:
+                        self.unknown_removals += 1
+            else:
+                self.blocks.clear()
 
     async def wait_for(self, predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
         async def loop() -> None:
@@ -135,7 +143,7 @@ async def test_snapshot_plus_live_equals_a_later_snapshot(stub, server_info) -> 
 
 
 async def test_resume_from_sequence_number_replays_exactly(stub, server_info) -> None:  # type: ignore[no-untyped-def]
-    sub = Subscriber(stub, pb.SubscribeKvEventsRequest())
+    sub = await Subscriber(stub, pb.SubscribeKvEventsRequest()).started()
     try:
         await run_prompts(stub, server_info, 2, range(940, 944))
         await sub.wait_for(lambda: len(sub.batches) >= 2)
@@ -189,7 +197,7 @@ async def test_unservable_position_is_an_error_or_a_snapshot(
 
 async def test_reset_prefix_cache_emits_all_cleared(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     size = server_info.engine_config.kv_block_size
-    sub = Subscriber(stub, pb.SubscribeKvEventsRequest())
+    sub = await Subscriber(stub, pb.SubscribeKvEventsRequest()).started()
     try:
         (prompt,) = await run_prompts(stub, server_info, 2, range(960, 961))
         await sub.wait_for(lambda: prompt_stored(sub, prompt, size, 2))
@@ -206,3 +214,28 @@ async def test_reset_prefix_cache_emits_all_cleared(stub, server_info) -> None: 
         assert not prompt_stored(sub, prompt, size, 2)
     finally:
         await sub.close()
+
+
+async def test_packed_batches_equal_one_per_message(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    """max_batches_per_message > 1: the same batches, in order, in fewer messages."""
+    single = await Subscriber(stub, pb.SubscribeKvEventsRequest()).started()
+    packed = await Subscriber(
+        stub, pb.SubscribeKvEventsRequest(max_batches_per_message=64, max_delay_ms=20)
+    ).started()
+    try:
+        await run_prompts(stub, server_info, 2, range(980, 986))
+        await single.wait_for(lambda: len(single.batches) >= 2)
+        last = single.batches[-1].sequence_number
+        await packed.wait_for(
+            lambda: bool(packed.batches) and packed.batches[-1].sequence_number >= last
+        )
+        assert packed.messages <= len(packed.batches)
+        by_seq = {b.sequence_number: b for b in single.batches}
+        seqs = [b.sequence_number for b in packed.batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        for batch in packed.batches:
+            if batch.sequence_number in by_seq:
+                assert batch == by_seq[batch.sequence_number]
+    finally:
+        await single.close()
+        await packed.close()

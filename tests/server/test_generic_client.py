@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from servers import ROOT, InProcessServer, sim_cli_args
 
+import engine_contract
 from engine_server.backends.sim import SimBackend
 from engine_server.cli import build_parser, config_from_args
 
@@ -53,7 +54,8 @@ def test_calls_server_info_and_health(address: str) -> None:
             f"http://{address}/engine_contract.v1.EngineService/GetServerInfo",
         )
     )
-    assert info["contractRevision"] == 1 and info["backendName"] == "sim"
+    assert info["contractRevision"] == engine_contract.CONTRACT_REVISION
+    assert info["backendName"] == "sim"
     health = json.loads(
         buf_curl(
             "-d",

@@ -159,3 +159,54 @@ async def test_close_ends_subscriptions() -> None:
     hub.close()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(pending, 1)
+
+
+async def test_waiting_batches_share_a_message_up_to_the_maximum() -> None:
+    hub = KvEventHub("i", replay_batches=16, snapshot_chunk_blocks=100)
+    sub = hub.subscribe(pb.SubscribeKvEventsRequest(max_batches_per_message=3))
+    for h in range(1, 6):
+        hub.publish(batch(stored([h])))
+    first, second = await take(sub, 2)
+    assert not first.HasField("batch") and not second.HasField("batch")
+    assert [b.sequence_number for b in first.batches] == [1, 2, 3]
+    assert [b.sequence_number for b in second.batches] == [4, 5]
+    await sub.aclose()
+
+
+async def test_a_held_batch_waits_for_those_that_follow_within_the_delay() -> None:
+    hub = KvEventHub("i", replay_batches=16, snapshot_chunk_blocks=100)
+    sub = hub.subscribe(pb.SubscribeKvEventsRequest(max_batches_per_message=8, max_delay_ms=50))
+    pending = asyncio.ensure_future(sub.__anext__())
+    await asyncio.sleep(0)
+    hub.publish(batch(stored([1])))
+    await asyncio.sleep(0.01)
+    assert not pending.done()  # held for the ones that follow
+    hub.publish(batch(stored([2], parent=1)))
+    hub.publish(batch(BlockRemoved((1,))))
+    message = await asyncio.wait_for(pending, 1)
+    assert [b.sequence_number for b in message.batches] == [1, 2, 3]
+    await sub.aclose()
+
+
+async def test_packed_snapshots_and_the_size_budget() -> None:
+    # A 4 KiB limit: packed messages stay under half of it.
+    hub = KvEventHub("i", replay_batches=64, snapshot_chunk_blocks=2, max_message_bytes=4096)
+    for h in range(1, 4):
+        hub.publish(batch(stored([h])))
+    sub = hub.subscribe(
+        pb.SubscribeKvEventsRequest(include_snapshot=True, max_batches_per_message=100)
+    )
+    snapshot = await take(sub, 2)  # 3 blocks in chunks of 2: one batch per message
+    assert [len(m.batches) for m in snapshot] == [1, 1]
+    assert [m.batches[0].snapshot.index for m in snapshot] == [0, 1]
+    for h in range(10, 40):
+        hub.publish(batch(stored([h * 10**15 + i for i in range(16)])))
+    packed = []
+    while sum(len(m.batches) for m in packed) < 30:
+        (message,) = await take(sub, 1)
+        assert len(message.batches) == 1 or message.ByteSize() <= 2048
+        packed.append(message)
+    assert 1 < len(packed) < 30
+    seqs = [b.sequence_number for m in packed for b in m.batches]
+    assert seqs == list(range(4, 34))
+    await sub.aclose()
