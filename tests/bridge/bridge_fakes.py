@@ -32,6 +32,9 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     generate_tokens: int = 4
     generate_delay_s: float = 0.0
     rollouts: list[pb.RolloutRequest] = field(default_factory=list)
+    # Rollouts that came over a Rollouts stream, and the streams opened.
+    streamed_rollouts: int = 0
+    rollout_streams: int = 0
     generates: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
@@ -72,7 +75,10 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     async def Rollouts(self, request_iterator: Any, context: Any) -> None:
         """The real server's stream handling around this fake's answers."""
 
+        self.rollout_streams += 1
+
         async def answer(request: pb.RolloutRequest, into: pb.RolloutResponse) -> None:
+            self.streamed_rollouts += 1
             into.CopyFrom(await self._answer(request))
 
         stream = RolloutStream(answer, context, max_message_bytes=64 << 20, write_timeout_s=None)

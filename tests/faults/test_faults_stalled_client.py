@@ -117,3 +117,110 @@ def test_negative_stream_write_timeout_is_refused() -> None:
     args = build_parser("sim").parse_args([*sim_cli_args(), "--stream-write-timeout-s", "-1"])
     with pytest.raises(SystemExit, match="stream-write-timeout-s"):
         config_from_args(args)
+
+
+async def test_stalled_rollouts_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None:
+    """Rollouts: answers pile up unread (large routed experts); the watchdog ends the
+    call with ABORTED and aborts the rollouts still running on it."""
+    with ProcessGroup(tmp_path / "logs") as group:
+        engine, address = group.engine_server(
+            "engine",
+            "--stream-write-timeout-s",
+            str(WATCHDOG_S),
+            "--decode-step-ms",
+            "1",
+            "--eos-rate",
+            "0",
+            "--routed-experts",
+            "48,8,128",
+            "--context-length",
+            "16384",
+            "--num-kv-blocks",
+            "5000",
+            "--max-num-seqs",
+            "64",
+        )
+        stalled = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ],
+        )
+        control = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            ctl = pb_grpc.EngineServiceStub(control)
+            call = pb_grpc.EngineServiceStub(stalled).Rollouts()
+            # 40 answers of ~400 KB each (1000 tokens x 48 layers x top-8), and two
+            # rollouts that would run for many seconds more.
+            starts = [
+                pb.RolloutStart(
+                    tag=i,
+                    rollout=pb.RolloutRequest(
+                        request_id=f"big-{i}",
+                        prompt_token_ids=list(range(10, 30)),
+                        max_new_tokens=1000,
+                    ),
+                )
+                for i in range(40)
+            ]
+            starts += [
+                pb.RolloutStart(
+                    tag=100 + i,
+                    rollout=pb.RolloutRequest(
+                        request_id=f"long-{i}",
+                        prompt_token_ids=list(range(40, 60)),
+                        max_new_tokens=15000,
+                    ),
+                )
+                for i in range(2)
+            ]
+            await call.write(pb.RolloutsRequest(start=starts))
+            started = time.monotonic()
+            # Never read. What still runs is aborted once a write waited too long;
+            # left alone, the long rollouts would run for 15k decode steps.
+            deadline = started + 60.0
+            saw_running = False
+            while time.monotonic() < deadline:
+                load = await _load(ctl)
+                saw_running = saw_running or load.registered_requests > 0
+                if saw_running and load.registered_requests == 0:
+                    break
+                await asyncio.sleep(0.05)
+            freed_s = time.monotonic() - started
+            assert saw_running and load.registered_requests == 0, load
+            assert load.running_requests == 0 and engine.alive()
+            assert freed_s < 12.0, f"rollouts of a stalled stream ran on for {freed_s:.1f}s"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async with asyncio.timeout(30):
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+            assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+            assert "stream write timeout" in (err.value.details() or "")
+            record(
+                "stalled_rollouts_stream",
+                watchdog_s=WATCHDOG_S,
+                long_rollouts_freed_s=round(freed_s, 2),
+            )
+            # The server still serves rollouts on a new stream.
+            again = pb_grpc.EngineServiceStub(control).Rollouts()
+            await again.write(
+                pb.RolloutsRequest(
+                    start=[
+                        pb.RolloutStart(
+                            tag=1,
+                            rollout=pb.RolloutRequest(
+                                request_id="after", prompt_token_ids=[5, 6], max_new_tokens=4
+                            ),
+                        )
+                    ]
+                )
+            )
+            (result,) = (await asyncio.wait_for(again.read(), 10)).results
+            assert len(result.response.token_ids) == 4
+            again.cancel()
+        finally:
+            await stalled.close()
+            await control.close()
