@@ -1,6 +1,6 @@
 """``make bench``: the gRPC hop's cost, measured side by side in one run.
 
-    python -m bench [--parts 4,1,2,3,5] [--reps 3] [--quick] [--out bench-results]
+    python -m bench [--parts 4,1,2,3,5] [--reps 5] [--quick] [--out bench-results]
 
 1. Rollouts through Dynamo's frontend at concurrency 1/16/64/256: (a) a Dynamo
    worker serving the simulated engine in its own process, (b) bridge + engine
@@ -932,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts", default="4,1,2,3,5", help="which parts, in this order (default: all)"
     )
-    parser.add_argument("--reps", type=int, default=3, help="repetitions per cell (default 3)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
     parser.add_argument("--keep-logs", action="store_true")

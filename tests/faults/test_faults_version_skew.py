@@ -14,6 +14,7 @@ import pytest
 from faults_common import new_stack
 from procs import ROOT, ProcessGroup, http_json
 
+import engine_contract
 from bridge import driver
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
@@ -29,21 +30,26 @@ def skew(contract: int, min_client: int = 1, min_server: int = 1) -> dict[str, s
     }
 
 
+# Revisions relative to this build's, so that the tests outlive the next bump.
+NOW = engine_contract.CONTRACT_REVISION
+NEXT = NOW + 1
+
+
 @pytest.mark.parametrize(
     ("server", "bridge", "message"),
     [
         pytest.param(
             {},
-            skew(3, min_server=2),
-            "implements contract revision 1, but this bridge needs at least revision 2: "
-            "upgrade the engine server",
+            skew(NEXT, min_server=NEXT),
+            f"implements contract revision {NOW}, but this bridge needs at least revision "
+            f"{NEXT}: upgrade the engine server",
             id="server-too-old",
         ),
         pytest.param(
-            skew(3, min_client=2),
+            skew(NEXT, min_client=NEXT),
             {},
-            "client_revision 1 is older than this server accepts (minimum 2, server "
-            "revision 3); upgrade the client",
+            f"client_revision {NOW} is older than this server accepts (minimum {NEXT}, server "
+            f"revision {NEXT}); upgrade the client",
             id="bridge-too-old",
         ),
     ],
@@ -61,10 +67,12 @@ def test_incompatible_revisions_are_refused(
 
 
 @pytest.mark.parametrize(
-    ("server", "bridge", "server_revision"),
+    ("server", "bridge", "server_revision", "rollouts"),
     [
-        pytest.param(skew(2), {}, 2, id="newer-server-accepts-older-bridge"),
-        pytest.param({}, skew(2), 1, id="newer-bridge-accepts-older-server"),
+        pytest.param(skew(NEXT), {}, NEXT, "multiplexed", id="newer-server-accepts-older-bridge"),
+        pytest.param({}, skew(NEXT), NOW, "multiplexed", id="newer-bridge-accepts-older-server"),
+        # A revision-1 server has no Rollouts stream: one Rollout call each.
+        pytest.param(skew(1), {}, 1, "one call each", id="bridge-falls-back-to-unary"),
     ],
 )
 def test_compatible_revisions_serve(
@@ -73,6 +81,7 @@ def test_compatible_revisions_serve(
     server: dict[str, str],
     bridge: dict[str, str],
     server_revision: int,
+    rollouts: str,
 ) -> None:
     model = "tiny-skew-ok"
     with ProcessGroup(tmp_path / "logs") as group:
@@ -87,4 +96,5 @@ def test_compatible_revisions_serve(
         )
         assert status == 200, body
         assert len(driver.parse_rollout_response(body).token_ids) == 3
-        assert f", contract {server_revision})" in proc.log_tail(100_000)
+        assert f", contract {server_revision}), " in proc.log_tail(100_000)
+        assert f"rollouts {rollouts}" in proc.log_tail(100_000)
