@@ -33,6 +33,7 @@ from bridge.client import EngineClient, IncompatibleServerError
 from bridge.config import BridgeConfig, parse_args
 from bridge.kv_relay import KvRelay
 from bridge.logging import configure_bridge_logging
+from bridge.rollout_mux import PendingRollout
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class BridgeEngine(LLMEngine):
     ) -> AsyncGenerator[dict[str, Any], None]:
         try:
             message = codec.build_rollout_request(entry.request_id, request, spec)
-            call: _Call = (
+            call: PendingRollout | grpc.aio.UnaryUnaryCall = (
                 client.stream_rollout(message) if self._stream_rollouts else client.rollout(message)
             )
             entry.call = call

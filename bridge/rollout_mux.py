@@ -95,9 +95,14 @@ class _Stream:
     def _on_done(self, tag: int, future: asyncio.Future[pb.RolloutResponse]) -> None:
         # Answered futures left ``pending`` already; one still there was cancelled
         # by its caller (abort, or the awaiting task cancelled).
-        if self.pending.pop(tag, None) is not None and not self.dead:
-            self._cancels.append(tag)
-            self._wake.set()
+        if self.pending.pop(tag, None) is None or self.dead:
+            return
+        for i, (_, unsent, _) in enumerate(self._starts):
+            if unsent == tag:  # never sent: nothing to cancel on the server
+                del self._starts[i]
+                return
+        self._cancels.append(tag)
+        self._wake.set()
 
     async def _write_loop(self) -> None:
         try:
@@ -108,8 +113,11 @@ class _Stream:
                     await self.call.write(self._take_batch())
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the call ended; the reader reports why
+        except Exception as e:
+            # Usually the call ended and the reader reports why. Whatever it was,
+            # end the call, so that nothing waits on a stream nobody writes to.
             log.debug("rollouts stream: write failed: %r", e)
+            self.call.cancel()
 
     def _take_batch(self) -> pb.RolloutsRequest:
         message = pb.RolloutsRequest(cancel=self._cancels)

@@ -117,10 +117,11 @@ class RolloutStream:
         # A done callback rather than code in _one: a task cancelled before it
         # first ran never enters _one, yet its tag must be answered.
         del self._running[tag]
+        asked = tag in self._cancelled
+        self._cancelled.discard(tag)
         if task.cancelled():
-            if tag not in self._cancelled:
+            if not asked:
                 return  # the stream is ending: nobody is left to answer
-            self._cancelled.discard(tag)
             result = _error(
                 tag,
                 grpc.StatusCode.CANCELLED,
@@ -130,7 +131,6 @@ class RolloutStream:
             log.error("rollout on stream failed", exc_info=exc)
             result = _error(tag, grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
         else:
-            self._cancelled.discard(tag)
             result = task.result()
         self._emit(result)
 
@@ -156,7 +156,7 @@ class RolloutStream:
             while self._out:
                 await self._write(self._take_batch())
             if reader.done() or self._closing:
-                if not reader.cancelled() and (exc := reader.exception()) is not None:
+                if reader.done() and not reader.cancelled() and (exc := reader.exception()):
                     raise exc
                 if not self._running and not self._out:
                     if self._closing:
