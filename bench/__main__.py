@@ -716,6 +716,15 @@ def fmt(x: float, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def paired(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Median [min-max] of the per-repetition rps ratios b/a."""
+    pairs = zip(a.get("rps_reps", []), b.get("rps_reps", []), strict=True)
+    ratios = [rb / ra for ra, rb in pairs if ra]
+    if not ratios:
+        return ""
+    return f"{median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [
         "# make bench",
@@ -734,9 +743,13 @@ def report(results: dict[str, Any]) -> str:
             "",
             "(a) = in-process Dynamo worker; (b) = bridge + engine server over gRPC.",
             "",
+            "rps (b)/(a) is the ratio of medians; paired is the median, and the range, "
+            "of the ratios within each repetition (the configurations of a repetition "
+            "run back to back, so slow drifts in the machine's other load cancel).",
+            "",
             "| conc | (a) rps | (a) p50 ms | (a) p99 ms | (b) transport | (b) rps | (b) p50 ms "
-            "| (b) p99 ms | rps (b)/(a) | p50 +ms | p99 (b)/(a) |",
-            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+            "| (b) p99 ms | rps (b)/(a) | paired | p50 +ms | p99 (b)/(a) |",
+            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|",
         ]
         for c in CONCURRENCY:
             a = p1["inproc"][str(c)]
@@ -746,6 +759,7 @@ def report(results: dict[str, Any]) -> str:
                     f"| {c} | {fmt(a['rps'])} | {fmt(a['p50_ms'], 2)} | {fmt(a['p99_ms'], 2)} "
                     f"| {TRANSPORT_NAMES[transport]} | {fmt(b['rps'])} | {fmt(b['p50_ms'], 2)} "
                     f"| {fmt(b['p99_ms'], 2)} | **{b['rps'] / a['rps']:.2f}** "
+                    f"| {paired(a, b)} "
                     f"| **{b['p50_ms'] - a['p50_ms']:+.2f}** | {b['p99_ms'] / a['p99_ms']:.2f} |"
                 )
         errors = sum(r["errors"] for per in p1.values() for r in per.values())

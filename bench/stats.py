@@ -95,4 +95,6 @@ def summarize(cells: Sequence[Cell]) -> dict[str, Any]:
             for k in sorted({k for c in cells for k in c.cpu_ms})
         },
         "reps": len(cells),
+        # Per repetition, in order, for ratios paired within a repetition.
+        "rps_reps": [c.rps for c in cells],
     }
