@@ -118,6 +118,8 @@ class EngineServiceServicer:
         it; half-closing lets them finish and the server then ends the stream with
         OK. A server that cannot write a batch within its stream write timeout (the
         client stopped reading) aborts them all and ends the stream with ABORTED.
+        A server shutting down answers what still runs (UNAVAILABLE once its grace
+        period is over), then ends the stream with UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
