@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from common import idle, make_prompt, new_id, wait_load
+from common import idle, long_generate, make_prompt, new_id, wait_load
 
 from engine_contract.v1 import engine_pb2 as pb
 
@@ -76,41 +76,48 @@ async def test_stream_answers_equal_rollout_calls(stub, server_info) -> None:  #
 
 
 async def test_a_failed_rollout_fails_alone(stub, server_info) -> None:  # type: ignore[no-untyped-def]
-    running = long_rollout(server_info, seed=3)
-    call = stub.Rollouts()
-    await call.write(pb.RolloutsRequest(start=[pb.RolloutStart(tag=1, rollout=running)]))
-    await wait_load(stub, lambda load: load.registered_requests >= 1)
+    # A Generate call holds a request id (EOS ignored, so it surely still runs).
+    held = long_generate(server_info, new_id("rs-held"))
+    generate = stub.Generate(held)
+    assert (await asyncio.wait_for(generate.read(), 10)).token_ids
     empty = pb.RolloutRequest(request_id=new_id("rs-bad"), max_new_tokens=4)
     duplicate_id = pb.RolloutRequest(
-        request_id=running.request_id, prompt_token_ids=[5, 6, 7], max_new_tokens=4
+        request_id=held.request_id, prompt_token_ids=[5, 6, 7], max_new_tokens=4
     )
+    call = stub.Rollouts()
+    # Tag 1 twice in one message: the second finds the first running.
     await call.write(
         pb.RolloutsRequest(
             start=[
+                pb.RolloutStart(tag=1, rollout=greedy(server_info, seed=4)),
+                pb.RolloutStart(tag=1, rollout=greedy(server_info, seed=5)),
                 pb.RolloutStart(tag=2, rollout=empty),
                 pb.RolloutStart(tag=3, rollout=duplicate_id),
-                pb.RolloutStart(tag=1, rollout=greedy(server_info, seed=4)),
-                pb.RolloutStart(tag=4, rollout=greedy(server_info, seed=5, max_new_tokens=4)),
+                pb.RolloutStart(tag=4, rollout=greedy(server_info, seed=6, max_new_tokens=4)),
             ]
         )
     )
     results: dict[int, list[pb.RolloutResult]] = {}
-    while sum(len(r) for r in results.values()) < 4:
+    while sum(len(r) for r in results.values()) < 5:
         message = await asyncio.wait_for(call.read(), 30)
         for result in message.results:
             results.setdefault(result.tag, []).append(result)
     code, message = error_of(results[2][0])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in message
     code, message = error_of(results[3][0])
-    assert code == grpc.StatusCode.ALREADY_EXISTS and running.request_id in message
-    code, message = error_of(results[1][0])
+    assert code == grpc.StatusCode.ALREADY_EXISTS and held.request_id in message
+    tag_errors = [r for r in results[1] if r.WhichOneof("outcome") == "error"]
+    assert len(tag_errors) == 1 and len(results[1]) == 2
+    code, message = error_of(tag_errors[0])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "tag" in message
     assert results[4][0].response.usage.completion_tokens >= 1
-    # The stream and the first rollout go on.
-    await call.write(pb.RolloutsRequest(cancel=[1]))
-    last = await read_results(call, 1)
-    assert last[1].WhichOneof("outcome") is not None
+    # The stream goes on after the failures.
+    await call.write(
+        pb.RolloutsRequest(start=[pb.RolloutStart(tag=5, rollout=greedy(server_info, seed=7))])
+    )
+    assert (await read_results(call, 1))[5].WhichOneof("outcome") == "response"
     call.cancel()
+    generate.cancel()
 
 
 async def test_cancel_aborts_the_engine_request(stub, server_info) -> None:  # type: ignore[no-untyped-def]
