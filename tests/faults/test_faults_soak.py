@@ -2,7 +2,7 @@
 aborts and disconnects; no leaked requests and flat RSS at the end.
 
 RSS is judged on two windows of a minute's run, so a single allocation step in
-one process (seen once in nine runs: a bridge grew 58 MiB at once, right where
+one process (seen once in about a dozen runs: a bridge grew 58 MiB at once, where
 Dynamo's runtime logged a broken-pipe error on a response stream the frontend
 had dropped) fails it as a leak would. A leak grows in every run; a step does
 not. So when only the RSS check fails, a second minute decides, and both runs'
