@@ -204,11 +204,6 @@ class RolloutMux:
         self._next_tag += 1
         return stream.start(tag, request)
 
-    @property
-    def in_flight(self) -> int:
-        stream = self._stream
-        return 0 if stream is None else len(stream.pending)
-
     async def close(self) -> None:
         """End the stream (the server aborts what still runs on it). Idempotent."""
         self._closed = True
