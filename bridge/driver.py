@@ -9,7 +9,10 @@ text or logprobs (which the frontend may post-process).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +23,8 @@ from bridge import wire
 from bridge.wire import WireError
 
 __all__ = [
+    "RetryPolicy",
+    "RolloutCancelledError",
     "RolloutClient",
     "RolloutHTTPError",
     "RolloutResult",
@@ -30,6 +35,13 @@ __all__ = [
     "rollout_annotation",
 ]
 
+log = logging.getLogger(__name__)
+
+# Statuses worth sending the same rollout again for (NeMo RL's Dynamo driver
+# retries the same set): a timeout, overload, or a server-side failure such as
+# a lost engine server. A 4xx other than these is the request's own fault.
+RETRYABLE_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
+
 
 class RolloutHTTPError(RuntimeError):
     """The frontend answered with a non-2xx status."""
@@ -38,6 +50,47 @@ class RolloutHTTPError(RuntimeError):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in RETRYABLE_STATUSES
+
+
+class RolloutCancelledError(RuntimeError):
+    """The rollout was cancelled before it finished (finish reason "cancelled").
+
+    The driver did not ask for that: the frontend or the bridge stopped it, for
+    example because the bridge was shutting down, or an operator aborted it.
+    It has no result; sending it again starts it afresh.
+    """
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a rollout is sent again.
+
+    ``attempts`` counts the first try. Retried: HTTP 408, 429 and 5xx, and
+    connection errors (refused, reset, dropped mid-answer); never another 4xx.
+    The pause before try n+1 is ``min(max_s, initial_s * 2**(n-1))``, times a
+    random factor in [1 - jitter, 1 + jitter], so that many drivers retrying
+    at once spread out.
+    """
+
+    attempts: int = 3
+    initial_s: float = 0.5
+    max_s: float = 8.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if self.initial_s < 0 or self.max_s < self.initial_s or not 0 <= self.jitter < 1:
+            raise ValueError("need 0 <= initial_s <= max_s and 0 <= jitter < 1")
+
+    def delay(self, attempt: int) -> float:
+        """The pause after failed try ``attempt`` (1-based)."""
+        base = min(self.max_s, self.initial_s * 2 ** (attempt - 1))
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
 
 
 @dataclass(frozen=True)
@@ -131,11 +184,23 @@ def build_rollout_body(
 
 
 def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
-    """Rebuild the result from ``nvext.engine_data``; raises WireError when malformed."""
+    """Rebuild the result from ``nvext.engine_data``; raises WireError when malformed,
+    RolloutCancelledError when the rollout was cancelled before it finished."""
     nvext = body.get("nvext") or {}
     engine_data = nvext.get("engine_data")
     if not isinstance(engine_data, Mapping) or wire.WIRE_KEY not in engine_data:
-        raise WireError("the response has no nvext.engine_data.rollout (is the bridge serving?)")
+        reason = _finish_reason(body)
+        if reason in ("cancelled", "abort", "aborted"):
+            raise RolloutCancelledError(
+                f"the rollout was cancelled before it finished (finish reason {reason!r}): "
+                "the frontend or the bridge stopped it (a shutting-down worker, an abort); "
+                "it has no result"
+            )
+        raise WireError(
+            "the response has no nvext.engine_data.rollout: the request did not reach a "
+            "rollout bridge (is the model served by this project's bridge, and does the body "
+            f"ask for nvext.extra_fields ['engine_data']?); finish reason {reason!r}"
+        )
     obj = engine_data[wire.WIRE_KEY]
     if not isinstance(obj, Mapping):
         raise WireError("nvext.engine_data.rollout is not an object")
@@ -176,6 +241,14 @@ def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
     )
 
 
+def _finish_reason(body: Mapping[str, Any]) -> str | None:
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        reason = choices[0].get("finish_reason")
+        return reason if isinstance(reason, str) else None
+    return None
+
+
 def error_message(status: int, text: str) -> str:
     """The frontend's error message out of its JSON error body (or the raw text)."""
     try:
@@ -194,7 +267,11 @@ def error_message(status: int, text: str) -> str:
 
 
 class RolloutClient:
-    """Rollouts through a Dynamo frontend. One aiohttp session, reused; ``close()`` it."""
+    """Rollouts through a Dynamo frontend. One aiohttp session, reused; ``close()`` it.
+
+    ``timeout_s`` bounds one try (NeMo RL's default is 900 s); ``retry`` says
+    which failures are tried again and how patiently (see RetryPolicy).
+    """
 
     def __init__(
         self,
@@ -202,10 +279,12 @@ class RolloutClient:
         model: str,
         *,
         timeout_s: float = 900.0,
+        retry: RetryPolicy | None = None,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.retry = retry or RetryPolicy()
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._owns_session = session is None
@@ -229,15 +308,44 @@ class RolloutClient:
         if max_tokens == 0:
             # The frontend refuses max_tokens 0 (HTTP 400); the answer is known anyway.
             return RolloutResult.nothing_generated(len(prompt_token_ids))
-        body = build_rollout_body(
-            self.model,
-            prompt_token_ids,
-            greedy=greedy,
-            stop_strings=stop_strings,
-            max_tokens=max_tokens,
-            request_id=request_id,
-            worker_id=worker_id,
-        )
+        policy = self.retry
+        for attempt in range(1, policy.attempts + 1):
+            # A retry must not collide with a previous try the engine may still
+            # be aborting: it runs under an id of its own.
+            attempt_id = (
+                request_id if request_id is None or attempt == 1 else f"{request_id}.{attempt}"
+            )
+            body = build_rollout_body(
+                self.model,
+                prompt_token_ids,
+                greedy=greedy,
+                stop_strings=stop_strings,
+                max_tokens=max_tokens,
+                request_id=attempt_id,
+                worker_id=worker_id,
+            )
+            try:
+                return await self._post(body)
+            except (
+                RolloutHTTPError,
+                aiohttp.ClientConnectionError,
+                aiohttp.ClientPayloadError,
+            ) as e:
+                retryable = not isinstance(e, RolloutHTTPError) or e.retryable
+                if not retryable or attempt == policy.attempts:
+                    raise
+                pause = policy.delay(attempt)
+                log.warning(
+                    "rollout try %d of %d failed (%s); trying again in %.2fs",
+                    attempt,
+                    policy.attempts,
+                    e,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    async def _post(self, body: dict[str, Any]) -> RolloutResult:
         session = self._get_session()
         async with session.post(f"{self.base_url}/v1/completions", json=body) as resp:
             text = await resp.text()

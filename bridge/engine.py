@@ -105,6 +105,7 @@ class BridgeEngine(LLMEngine):
             ec.kv_block_size,
             "multiplexed on a stream" if self._stream_rollouts else "one call each",
         )
+        log.info("registering endpoint types %s: %s", cfg.endpoint_types, cfg.endpoint_types_reason)
         return EngineConfig(
             model=cfg.model_path,
             served_model_name=cfg.served_model_name or info.model_name or None,

@@ -11,7 +11,10 @@ this file and ``v1/__init__.py`` are written by hand.
 #   1  first release.
 #   2  Rollouts: many rollouts multiplexed over one bidirectional stream;
 #      SubscribeKvEvents may pack several batches into one message.
-CONTRACT_REVISION = 2
+#   3  GenerationDefaults carry the config's stop strings, ignore_eos and
+#      bad_words; a rollout whose prompt fills the context generates nothing
+#      instead of failing.
+CONTRACT_REVISION = 3
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout

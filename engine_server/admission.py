@@ -6,6 +6,7 @@ semantics. Errors name the offending field (INVALID_ARGUMENT).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,13 +34,7 @@ def resolve_defaults(defaults: GenerationDefaults, info: EngineInfo) -> Generati
     """Fill the defaults' stop ids with the model's EOS ids when none were configured."""
     if defaults.stop_token_ids:
         return defaults
-    return GenerationDefaults(
-        temperature=defaults.temperature,
-        top_p=defaults.top_p,
-        top_k=defaults.top_k,
-        max_new_tokens=defaults.max_new_tokens,
-        stop_token_ids=tuple(info.eos_token_ids),
-    )
+    return dataclasses.replace(defaults, stop_token_ids=tuple(info.eos_token_ids))
 
 
 def check_request_id(request_id: str, limits: Limits) -> None:
@@ -52,15 +47,25 @@ def check_request_id(request_id: str, limits: Limits) -> None:
         )
 
 
-def check_prompt(prompt: Sequence[int], info: EngineInfo) -> None:
+def check_prompt(prompt: Sequence[int], info: EngineInfo, *, fit_context: bool = True) -> None:
     if not prompt:
         raise InvalidRequest("prompt_token_ids", "must not be empty")
-    if len(prompt) > info.context_length:
+    if fit_context and len(prompt) > info.context_length:
         raise InvalidRequest(
             "prompt_token_ids",
             f"{len(prompt)} tokens, longer than the context length {info.context_length}",
         )
     check_token_ids("prompt_token_ids", prompt, info)
+
+
+def merge_stop_strings(configured: Sequence[str], own: Sequence[str]) -> tuple[str, ...]:
+    """NeMo RL's merge: the union of the config's and the rollout's stop strings.
+
+    NeMo RL takes a set (no order); the order here is fixed (config first, then
+    the rollout's, first occurrence kept) so that the same rollout always runs
+    the same way.
+    """
+    return tuple(dict.fromkeys((*configured, *own)))
 
 
 def check_token_ids(field: str, ids: Sequence[int], info: EngineInfo) -> None:
@@ -106,11 +111,22 @@ def routed_experts_wanted(field: str, mode: int, info: EngineInfo) -> bool:
 def plan_rollout(
     request: pb.RolloutRequest, info: EngineInfo, defaults: GenerationDefaults, limits: Limits
 ) -> Plan:
-    """NeMo RL's native rollout: sampling from the server's defaults, budget clamped."""
+    """NeMo RL's native rollout: sampling from the server's defaults, budget clamped.
+
+    A prompt that fills the context (or more) is not an error: its budget is 0
+    and nothing is generated, as on NeMo RL's native path.
+    """
     check_request_id(request.request_id, limits)
     prompt = request.prompt_token_ids
-    check_prompt(prompt, info)
+    check_prompt(prompt, info, fit_context=False)
     check_stop_strings("stop_strings", request.stop_strings, limits)
+    stop_strings = merge_stop_strings(defaults.stop_strings, request.stop_strings)
+    if len(stop_strings) > limits.max_stop_strings:
+        raise InvalidRequest(
+            "stop_strings",
+            f"{len(stop_strings)} stop strings with the server's configured ones, more than "
+            f"the limit of {limits.max_stop_strings}",
+        )
     max_new = defaults.max_new_tokens
     if request.HasField("max_new_tokens"):
         max_new = request.max_new_tokens
@@ -125,7 +141,9 @@ def plan_rollout(
         top_p=defaults.top_p,
         top_k=1 if request.greedy else defaults.top_k,
         stop_token_ids=tuple(defaults.stop_token_ids),
-        stop_strings=tuple(request.stop_strings),
+        stop_strings=stop_strings,
+        ignore_eos=defaults.ignore_eos,
+        bad_words=defaults.bad_words,
         include_stop_str_in_output=True,
         logprobs=0,
         return_routed_experts=routed_experts_wanted("routed_experts", request.routed_experts, info),

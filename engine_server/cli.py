@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
@@ -16,7 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from engine_server.backends import BACKENDS, load_backend_class
+from engine_server.backends.base import EngineBackend
 from engine_server.config import GenerationDefaults, Limits, ServerConfig, TlsConfig
+from engine_server.generation_config import GenerationConfig, load_generation_config
 from engine_server.server import EngineServerHandle, start_server
 
 log = logging.getLogger("engine_server")
@@ -100,15 +103,25 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
     )
 
     defaults = GenerationDefaults()
-    gen = parser.add_argument_group("rollout generation defaults (NeMo RL generation config)")
-    gen.add_argument("--temperature", type=float, default=defaults.temperature)
-    gen.add_argument("--top-p", type=float, default=defaults.top_p)
-    gen.add_argument("--top-k", type=int, default=defaults.top_k, help="-1 disables")
-    gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    gen = parser.add_argument_group(
+        "rollout generation defaults (NeMo RL generation config)",
+        "Rollouts are sampled with these. A flag given wins over --generation-config.",
+    )
+    gen.add_argument(
+        "--generation-config",
+        type=Path,
+        metavar="FILE",
+        help="NeMo RL's generation section (YAML or JSON; the section itself, "
+        "{generation: ...} or a whole config with policy.generation): sampling, stop "
+        "tokens and strings, ignore_eos, bad_words, and vllm_cfg engine settings",
+    )
+    gen.add_argument("--temperature", type=float, help=f"default: {defaults.temperature}")
+    gen.add_argument("--top-p", type=float, help=f"default: {defaults.top_p}")
+    gen.add_argument("--top-k", type=int, help=f"-1 disables (default: {defaults.top_k})")
+    gen.add_argument("--max-new-tokens", type=int, help=f"default: {defaults.max_new_tokens}")
     gen.add_argument(
         "--stop-token-ids",
         type=_int_list,
-        default=(),
         help="comma-separated; default: the model's EOS ids",
     )
 
@@ -124,7 +137,41 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
+def read_generation_config(args: argparse.Namespace) -> GenerationConfig | None:
+    """The --generation-config section, or None; exits with the reason when unusable."""
+    if args.generation_config is None:
+        return None
+    try:
+        return load_generation_config(args.generation_config)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def generation_defaults(
+    args: argparse.Namespace, generation: GenerationConfig | None
+) -> GenerationDefaults:
+    """Built-in defaults, then the generation config, then the flags given."""
+    base = generation.defaults() if generation is not None else GenerationDefaults()
+    flags = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_new_tokens": args.max_new_tokens,
+        "stop_token_ids": args.stop_token_ids,
+    }
+    try:
+        return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+    except ValueError as e:
+        raise SystemExit(f"generation defaults: {e}") from None
+
+
+def config_from_args(
+    args: argparse.Namespace, generation: GenerationConfig | None = None
+) -> ServerConfig:
+    """The server's config from its flags (and the generation config, read here when
+    not given)."""
+    if generation is None:
+        generation = read_generation_config(args)
     tls = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
@@ -132,25 +179,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
     elif args.tls_client_ca:
         raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
-    if not 0 < args.top_p <= 1 or args.temperature < 0 or args.top_k < -1:
-        raise SystemExit(
-            "generation defaults: need temperature >= 0, 0 < top-p <= 1, top-k -1 or >= 0"
-        )
     if args.stream_write_timeout_s < 0:
         raise SystemExit("--stream-write-timeout-s must be >= 0 (0 disables the watchdog)")
-    if args.max_new_tokens < 0:
-        raise SystemExit("--max-new-tokens must be >= 0")
     return ServerConfig(
         listen=args.listen,
         allow_remote=args.allow_remote,
         tls=tls,
-        defaults=GenerationDefaults(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_new_tokens=args.max_new_tokens,
-            stop_token_ids=tuple(args.stop_token_ids),
-        ),
+        defaults=generation_defaults(args, generation),
         limits=Limits(
             max_message_bytes=args.max_message_bytes, max_stop_strings=args.max_stop_strings
         ),
@@ -168,9 +203,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return build_parser(known.backend).parse_args(argv)
 
 
+def backend_and_config(args: argparse.Namespace) -> tuple[EngineBackend, ServerConfig]:
+    """The backend and the server config the flags (and generation config) ask for."""
+    backend_class = load_backend_class(args.backend)
+    generation = read_generation_config(args)
+    if generation is not None:
+        ignored = [*generation.ignored, *backend_class.apply_generation_config(generation, args)]
+        log.info("generation config %s", generation.source)
+        for note in ignored:
+            log.info("generation config: ignored %s", note)
+    config = config_from_args(args, generation)
+    if config.defaults.bad_words and not backend_class.supports_bad_words:
+        raise SystemExit(f"bad_words: the {args.backend} backend does not support them")
+    backend = backend_class.from_cli_args(args)
+    log.info("rollout generation defaults: %s", config.defaults)
+    return backend, config
+
+
 async def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    backend = load_backend_class(args.backend).from_cli_args(args)
+    backend, config = backend_and_config(args)
     handle = await start_server(backend, config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,7 +11,8 @@ class GenerationDefaults:
     """The launch-time generation config rollouts are sampled with (NeMo RL's).
 
     An empty ``stop_token_ids`` means "the model's EOS ids", filled in once the
-    engine has reported them.
+    engine has reported them. ``stop_strings`` apply to every rollout, merged
+    with the rollout's own; ``bad_words`` only on engines that support them.
     """
 
     temperature: float = 1.0
@@ -19,6 +20,23 @@ class GenerationDefaults:
     top_k: int = -1
     max_new_tokens: int = 512
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    bad_words: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top-k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop token ids must be >= 0, got {self.stop_token_ids}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ any download: a byte-level BPE tokenizer trained here on generated text, and a
 seed, so the same seed gives the same files byte for byte; a stamp file lets a
 second call with the same settings return at once.
 
-    python scripts/build_tiny_model.py --out DIR [--seed N] [--moe]
+    python scripts/build_tiny_model.py --out DIR [--seed N] [--moe] [--no-chat-template]
+
+``--no-chat-template`` leaves the chat template out, as in most RL base
+checkpoints.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def _stamp(seed: int, moe: bool) -> dict[str, object]:
-    return {"builder_version": BUILDER_VERSION, "seed": seed, "moe": moe}
+def _stamp(seed: int, moe: bool, chat_template: bool) -> dict[str, object]:
+    stamp: dict[str, object] = {"builder_version": BUILDER_VERSION, "seed": seed, "moe": moe}
+    if not chat_template:  # builds with a template keep their old stamp
+        stamp["chat_template"] = False
+    return stamp
 
 
 def _corpus(seed: int, lines: int = 3000) -> list[str]:
@@ -61,7 +67,7 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def _train_tokenizer(seed: int, out_dir: Path) -> None:
+def _train_tokenizer(seed: int, out_dir: Path, chat_template: bool) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,7 +88,8 @@ def _train_tokenizer(seed: int, out_dir: Path) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 
@@ -134,7 +141,9 @@ def _is_current(out_dir: Path, stamp: dict[str, object]) -> bool:
         return False
 
 
-def build_tiny_model(out_dir: str | os.PathLike[str], seed: int = 0, moe: bool = False) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike[str], seed: int = 0, moe: bool = False, chat_template: bool = True
+) -> Path:
     """Build the model into ``out_dir`` unless it already holds this exact build.
 
     Builds in a sibling temporary folder and renames it into place, so a reader
@@ -142,7 +151,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], seed: int = 0, moe: bool =
     A non-empty ``out_dir`` that is not one of our builds is left alone (error).
     """
     out = Path(out_dir).resolve()
-    stamp = _stamp(seed, moe)
+    stamp = _stamp(seed, moe, chat_template)
     if _is_current(out, stamp):
         return out
     if out.exists() and any(out.iterdir()) and not (out / STAMP_NAME).exists():
@@ -150,7 +159,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], seed: int = 0, moe: bool =
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _train_tokenizer(seed, tmp)
+        _train_tokenizer(seed, tmp, chat_template)
         _build_model(seed, moe, tmp)
         (tmp / STAMP_NAME).write_text(json.dumps(stamp, sort_keys=True) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
@@ -175,8 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="model folder to create")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--moe", action="store_true", help="tiny Mixtral instead of Llama")
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="no chat template (a base checkpoint)"
+    )
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.out, seed=args.seed, moe=args.moe))
+    print(
+        build_tiny_model(
+            args.out, seed=args.seed, moe=args.moe, chat_template=not args.no_chat_template
+        )
+    )
     return 0
 
 

@@ -6,7 +6,12 @@ discovery, sends sample rollouts through the frontend with the driver client,
 prints the results and the time to the first rollout, and stops everything on
 exit, Ctrl-C or SIGTERM.
 
-    python scripts/run_demo.py [--engine vllm|sim] [--rollouts N] [--keep-logs]
+    python scripts/run_demo.py [--engine vllm|sim] [--model DIR] [--rollouts N] [--keep-logs]
+
+``--model DIR``: your own model folder (HF layout: config.json, tokenizer.json,
+tokenizer_config.json, weights), with or without a chat template; the default
+is a tiny model built offline. The engine server runs with no flag beyond the
+model and the rollout budget: what works here works for you as written.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 
 from bridge.driver import RolloutClient, RolloutResult  # noqa: E402
 
-MODEL = "tiny"
 NAMESPACE = "demo"
 PROMPTS = (
     "Once upon a time",
@@ -109,15 +113,15 @@ def wait_for(predicate: object, what: str, procs: Processes, timeout: float) -> 
         time.sleep(0.1)
 
 
-def model_listed(base_url: str) -> bool:
+def model_listed(base_url: str, name: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base_url}/v1/models", timeout=2) as resp:
-            return any(m.get("id") == MODEL for m in json.load(resp).get("data", []))
+            return any(m.get("id") == name for m in json.load(resp).get("data", []))
     except OSError:
         return False
 
 
-def engine_argv(engine: str, model_dir: Path, ready_file: Path) -> list[str]:
+def engine_argv(engine: str, model_dir: Path, name: str, ready_file: Path) -> list[str]:
     argv = [
         sys.executable,
         "-m",
@@ -131,21 +135,11 @@ def engine_argv(engine: str, model_dir: Path, ready_file: Path) -> list[str]:
         "--model",
         str(model_dir),
         "--served-model-name",
-        MODEL,
+        name,
         "--max-new-tokens",
         "32",
     ]
-    if engine == "vllm":
-        argv += [
-            "--max-model-len",
-            "1024",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-        ]
-    else:
+    if engine == "sim":
         argv += ["--routed-experts", "2,2,8", "--eos-rate", "0.02"]
     return argv
 
@@ -169,12 +163,12 @@ def show(i: int, prompt: str, result: RolloutResult, tokenizer: object, seconds:
         print(f"    routed experts {experts.dtype} {list(experts.shape)}, r3 {result.r3_stats}")
 
 
-async def send_rollouts(base_url: str, model_dir: Path, count: int) -> float:
+async def send_rollouts(base_url: str, model_dir: Path, name: str, count: int) -> float:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     first = 0.0
-    async with RolloutClient(base_url, MODEL, timeout_s=120) as client:
+    async with RolloutClient(base_url, name, timeout_s=120) as client:
         for i in range(count):
             prompt = PROMPTS[i % len(PROMPTS)]
             ids = tokenizer.encode(prompt).ids
@@ -190,7 +184,7 @@ async def send_rollouts(base_url: str, model_dir: Path, count: int) -> float:
     return first
 
 
-def run(engine: str, rollouts: int, keep_logs: bool) -> int:
+def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
     work = Path(tempfile.mkdtemp(prefix="dynamo-demo-"))
     logs = work / "logs"
     logs.mkdir()
@@ -210,16 +204,21 @@ def run(engine: str, rollouts: int, keep_logs: bool) -> int:
     }
     ok = False
     try:
-        say("[1/5] building the tiny model")
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from build_tiny_model import build_tiny_model
+        if model is None:
+            say("[1/5] building the tiny model")
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from build_tiny_model import build_tiny_model
 
-        model_dir = build_tiny_model(ROOT / ".artifacts" / "tiny-model")
-        say(f"      model at {model_dir}")
+            model_dir = build_tiny_model(ROOT / ".artifacts" / "tiny-model")
+            name = "tiny"
+        else:
+            say("[1/5] using your model folder")
+            model_dir, name = model.resolve(), model.resolve().name
+        say(f"      model at {model_dir}, served as {name!r}")
 
         say(f"[2/5] starting the engine server ({engine}); logs in {logs}")
         ready = work / "engine.addr"
-        procs.start("engine", engine_argv(engine, model_dir, ready), {})
+        procs.start("engine", engine_argv(engine, model_dir, name, ready), {})
         wait_for(
             lambda: ready.exists() and ready.read_text().strip(), "engine server address", procs, 60
         )
@@ -238,7 +237,7 @@ def run(engine: str, rollouts: int, keep_logs: bool) -> int:
                 "--model-path",
                 str(model_dir),
                 "--served-model-name",
-                MODEL,
+                name,
                 "--namespace",
                 NAMESPACE,
             ],
@@ -262,15 +261,15 @@ def run(engine: str, rollouts: int, keep_logs: bool) -> int:
             env,
         )
         wait_for(
-            lambda: model_listed(base_url),
-            f"model {MODEL!r} at the frontend",
+            lambda: model_listed(base_url, name),
+            f"model {name!r} at the frontend",
             procs,
             600 if engine == "vllm" else 120,
         )
         say("      model registered")
 
         say(f"[5/5] sending {rollouts} rollouts")
-        first = asyncio.run(send_rollouts(base_url, model_dir, rollouts))
+        first = asyncio.run(send_rollouts(base_url, model_dir, name, rollouts))
         print(f"\nTime to first rollout: {first:.1f} s (engine: {engine})")
         ok = True
         return 0
@@ -303,11 +302,16 @@ def main(argv: list[str] | None = None) -> int:
         default=default_engine(),
         help="engine server backend (default: %(default)s)",
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="your model folder (default: a tiny model built offline)",
+    )
     parser.add_argument("--rollouts", type=int, default=4, help="how many (default: 4)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
-    return run(args.engine, args.rollouts, args.keep_logs)
+    return run(args.engine, args.model, args.rollouts, args.keep_logs)
 
 
 if __name__ == "__main__":

@@ -112,18 +112,24 @@ class EngineConfig(_message.Message):
     def __init__(self, context_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., data_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GenerationDefaults(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos", "bad_words")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_stop_strings", "max_stop_string_length", "max_request_id_length", "max_message_bytes", "max_top_logprobs")

@@ -8,10 +8,15 @@ engine nor gRPC, so the core and its tests run with no engine installed.
 
 from __future__ import annotations
 
+import argparse
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from engine_server.generation_config import GenerationConfig
 
 
 class FinishReason(enum.Enum):
@@ -63,6 +68,9 @@ class SamplingSpec:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Words the engine must never generate (vLLM's bad_words); engines that
+    # cannot honour them refuse the request.
+    bad_words: tuple[str, ...] = ()
     # None: no logprobs; 0: the sampled token's; k: also the top k.
     logprobs: int | None = None
     return_routed_experts: bool = False
@@ -160,6 +168,31 @@ class EngineBackend(ABC):
     NOT_SERVING meanwhile), then any number of concurrent ``generate`` calls,
     then ``shutdown()``. All methods run on the server's event loop.
     """
+
+    # Whether SamplingSpec.bad_words is honoured (else such requests are refused).
+    supports_bad_words: ClassVar[bool] = False
+
+    # -- command line (python -m engine_server --backend NAME) ---------------
+
+    @classmethod  # noqa: B027 (an optional hook: a backend may have no flags)
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this backend's own flags to the server's parser (none by default)."""
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineBackend:
+        """Build the backend from parsed flags."""
+        raise ValueError(f"{cls.__name__} has no command-line form; construct it in code")
+
+    @classmethod
+    def apply_generation_config(
+        cls, config: GenerationConfig, args: argparse.Namespace
+    ) -> list[str]:
+        """Map a NeMo RL generation section's engine settings onto this backend's
+        parsed flags, where the user gave none; return "key: why" for each
+        setting it does not use (logged with the section's ignored keys)."""
+        return [f"vllm_cfg.{k}: not used by {cls.__name__}" for k in config.engine] + [
+            f"vllm_kwargs.{k}: not used by {cls.__name__}" for k in config.engine_kwargs
+        ]
 
     @abstractmethod
     async def start(self, kv_event_sink: KvEventSink | None) -> EngineInfo:

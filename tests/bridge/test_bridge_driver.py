@@ -193,7 +193,8 @@ async def test_client_round_trip_and_http_errors() -> None:
 
     runner, url = await fake_frontend(handler)
     try:
-        async with driver.RolloutClient(url, "m") as client:
+        once = driver.RetryPolicy(attempts=1)
+        async with driver.RolloutClient(url, "m", retry=once) as client:
             result = await client.rollout([1, 2], max_tokens=1)
             assert result.token_ids == [3] and result.logprobs == [-0.5] and result.truncated
             assert seen[0]["max_tokens"] == 1
@@ -224,7 +225,7 @@ def test_driver_needs_neither_dynamo_nor_grpc() -> None:
         "        if name.split('.')[0] in ('dynamo', 'grpc', 'torch', 'vllm', 'google'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import bridge.driver\n"
+        "import bridge.driver, bridge.batch\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -32,10 +32,6 @@ ROLLOUT_CASES: dict[str, tuple[Callable[[Info], pb.RolloutRequest], str]] = {
         lambda i: rollout(i, prompt_token_ids=[5, i.vocab_size]),
         "prompt_token_ids[1]",
     ),
-    "prompt longer than context": (
-        lambda i: rollout(i, prompt_token_ids=[5] * (i.engine_config.context_length + 1)),
-        "prompt_token_ids",
-    ),
     "negative max_new_tokens": (lambda i: rollout(i, max_new_tokens=-1), "max_new_tokens"),
     "max_new_tokens past the context": (
         lambda i: rollout(i, max_new_tokens=i.engine_config.context_length + 1),

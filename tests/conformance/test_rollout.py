@@ -109,12 +109,22 @@ async def test_budget_is_clamped_to_the_context(stub, server_info) -> None:  # t
     assert len(answer.token_ids) <= 2
 
 
-@pytest.mark.parametrize("how", ["prompt fills the context", "max_new_tokens 0"])
+@pytest.mark.parametrize(
+    "how", ["prompt fills the context", "prompt longer than the context", "max_new_tokens 0"]
+)
 async def test_nothing_generated(stub, server_info, how: str) -> None:  # type: ignore[no-untyped-def]
+    context = server_info.engine_config.context_length
     if how == "max_new_tokens 0":
         request = rollout(server_info, greedy=True, max_new_tokens=0)
+    elif how == "prompt fills the context":
+        request = rollout(server_info, length=context)
     else:
-        request = rollout(server_info, length=server_info.engine_config.context_length)
+        request = rollout(server_info, length=context + 7)
+        if server_info.contract_revision < 3:  # refused before revision 3
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Rollout(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return
     answer = await stub.Rollout(request)
     assert list(answer.token_ids) == [] and list(answer.logprobs) == []
     assert answer.finish_reason == pb.FINISH_REASON_LENGTH and not answer.truncated

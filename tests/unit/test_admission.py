@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
@@ -49,6 +51,23 @@ def test_greedy_rollout_is_temperature_zero_top_k_one_with_sampled_logprob() -> 
     assert spec.max_tokens == 20 and spec.seed is None
 
 
+def test_prompt_past_the_context_generates_nothing() -> None:
+    plan = plan_rollout(rollout(prompt_token_ids=[1] * 65), INFO, DEFAULTS, LIMITS)
+    assert plan.generates_nothing
+    with pytest.raises(InvalidRequest) as err:  # an ordinary completion still refuses it
+        plan_generate(pb.GenerateRequest(request_id="g", prompt_token_ids=[1] * 65), INFO, LIMITS)
+    assert err.value.field == "prompt_token_ids"
+
+
+def test_configured_stop_strings_merge_with_the_rollouts() -> None:
+    defaults = dataclasses.replace(DEFAULTS, stop_strings=("a", "b"), ignore_eos=True)
+    spec = plan_rollout(rollout(stop_strings=["b", "c"]), INFO, defaults, Limits()).spec
+    assert spec.stop_strings == ("a", "b", "c") and spec.ignore_eos
+    with pytest.raises(InvalidRequest) as err:  # the limit counts the merged list
+        plan_rollout(rollout(stop_strings=["c"]), INFO, defaults, LIMITS)
+    assert err.value.field == "stop_strings"
+
+
 def test_sampled_rollout_uses_server_defaults() -> None:
     spec = plan_rollout(rollout(), INFO, DEFAULTS, LIMITS).spec
     assert (spec.temperature, spec.top_p, spec.top_k) == (pytest.approx(0.7), 0.9, 50)
@@ -77,7 +96,6 @@ def test_budget_is_clamped_to_the_context(
         ({"prompt_token_ids": []}, "prompt_token_ids"),
         ({"prompt_token_ids": [1, -1]}, "prompt_token_ids[1]"),
         ({"prompt_token_ids": [1, 100]}, "prompt_token_ids[1]"),
-        ({"prompt_token_ids": [1] * 65}, "prompt_token_ids"),
         ({"stop_strings": ["a", ""]}, "stop_strings[1]"),
         ({"stop_strings": ["a", "b", "c"]}, "stop_strings"),
         ({"max_new_tokens": -1}, "max_new_tokens"),

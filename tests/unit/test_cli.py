@@ -46,7 +46,7 @@ def test_flags_reach_the_server_config() -> None:
         (["--top-p", "1.5"], "top-p"),
         (["--temperature", "-1"], "temperature"),
         (["--top-k", "-2"], "top-k"),
-        (["--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["--max-new-tokens", "-1"], "max-new-tokens"),
         (["--tls-cert", "c.pem"], "--tls-key"),
         (["--tls-client-ca", "ca.pem"], "--tls-client-ca"),
         (["--stream-write-timeout-s", "-1"], "--stream-write-timeout-s"),

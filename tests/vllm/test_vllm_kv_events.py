@@ -151,7 +151,10 @@ async def run(backend: VllmBackend, rid: str, prompt: list[int]) -> Any:
 
 async def test_defaults_prefix_caching_and_loopback_events(setup: Setup) -> None:
     backend = setup.backend
-    assert backend.defaults_applied == {"enable_prefix_caching": True}
+    assert backend.defaults_applied == {
+        "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",
+    }
     assert setup.info.kv_block_size == BLOCK and setup.info.total_kv_blocks == 48
     sub = backend.kv_subscriber
     assert sub is not None and sub.endpoints[0].startswith("tcp://127.0.0.1:")

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_server.backends.base import (
     EngineBackend,
@@ -21,6 +21,7 @@ from engine_server.backends.base import (
     EngineInfo,
     EngineLoad,
     EngineOutput,
+    EngineRequestError,
     FinishReason,
     KvEventSink,
     SamplingSpec,
@@ -37,6 +38,9 @@ from engine_server.backends.sim.tokenizer import (
     SimTokenizer,
     read_model_dir,
 )
+
+if TYPE_CHECKING:
+    from engine_server.generation_config import GenerationConfig
 
 
 def _package_version() -> str:
@@ -105,6 +109,25 @@ class SimBackend(EngineBackend):
     def from_cli_args(cls, args: argparse.Namespace) -> SimBackend:
         return cls(SimConfig.from_cli_args(args))
 
+    @classmethod
+    def apply_generation_config(
+        cls, config: GenerationConfig, args: argparse.Namespace
+    ) -> list[str]:
+        """``vllm_cfg.max_model_len`` is the sim's context length; nothing else applies."""
+        notes = []
+        for key, value in config.engine.items():
+            if key == "max_model_len":
+                if args.context_length is None:
+                    args.context_length = value
+                else:
+                    notes.append(f"vllm_cfg.max_model_len: --context-length wins ({value} ignored)")
+            else:
+                notes.append(f"vllm_cfg.{key}: the sim backend has no such setting")
+        notes += [
+            f"vllm_kwargs.{k}: the sim backend has no such setting" for k in config.engine_kwargs
+        ]
+        return notes
+
     # -- EngineBackend -----------------------------------------------------
 
     async def start(self, kv_event_sink: KvEventSink | None) -> EngineInfo:
@@ -121,6 +144,8 @@ class SimBackend(EngineBackend):
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
     ) -> AsyncIterator[EngineOutput]:
+        if spec.bad_words:
+            raise EngineRequestError("bad_words: the sim backend does not support them")
         req = self.engine.submit(request_id, prompt_token_ids, spec)
         try:
             while True:

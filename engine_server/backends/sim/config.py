@@ -103,7 +103,9 @@ class SimConfig:
             ("--startup-delay-s", float, d.startup_delay_s, "start() takes this long"),
             ("--eos-rate", float, d.eos_rate, "chance per position that EOS is most likely"),
         ):
-            g.add_argument(flag, type=typ, default=default, help=f"{text} (default %(default)s)")
+            # None when not given (the SimConfig default applies), so that a
+            # generation config can tell the user's flags from defaults.
+            g.add_argument(flag, type=typ, default=None, help=f"{text} (default {default})")
         g.add_argument(
             "--zero-delay",
             action="store_true",

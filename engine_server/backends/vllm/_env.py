@@ -42,10 +42,19 @@ CPU_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
+_applied: dict[str, str] = {}
+
+
 def apply_env_defaults() -> dict[str, str]:
     """Set the CPU defaults the user left unset; return what was set."""
     if not is_cpu_build():
         return {}
     applied = {k: v for k, v in CPU_ENV_DEFAULTS.items() if k not in os.environ}
     os.environ.update(applied)
+    _applied.update(applied)
     return applied
+
+
+def env_defaults_applied() -> dict[str, str]:
+    """The defaults this process set (not the user), still in effect."""
+    return {k: v for k, v in _applied.items() if os.environ.get(k) == v}

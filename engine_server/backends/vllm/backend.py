@@ -21,9 +21,9 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import vllm
 from vllm.config import KVEventsConfig, VllmConfig
@@ -50,6 +50,9 @@ from engine_server.backends.vllm import args as cli
 from engine_server.backends.vllm.kv_events import KvEventSubscriber
 from engine_server.backends.vllm.outputs import OutputConverter
 from engine_server.backends.vllm.sampling import to_sampling_params
+
+if TYPE_CHECKING:
+    from engine_server.generation_config import GenerationConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +95,16 @@ def _stat_logger_factory(view: _SchedulerView) -> Any:
 class VllmBackend(EngineBackend):
     """Runs requests on a vLLM ``AsyncLLM``; see the package docs for defaults."""
 
-    def __init__(self, engine_args: AsyncEngineArgs) -> None:
+    supports_bad_words = True
+
+    def __init__(
+        self, engine_args: AsyncEngineArgs, *, chosen: Collection[str] | None = None
+    ) -> None:
+        """``chosen``: the engine arguments the user set (see ``apply_engine_defaults``)."""
         self._engine_args: AsyncEngineArgs | None = engine_args
-        self.defaults_applied = cli.apply_engine_defaults(engine_args)
+        self.defaults_applied = cli.apply_engine_defaults(engine_args, chosen)
+        if self.defaults_applied:
+            log.info("vLLM engine defaults, where none were given: %s", self.defaults_applied)
         self._engine: AsyncLLM | None = None
         self._owns_engine = True
         self._kv_endpoints: list[str] | None = None
@@ -112,7 +122,24 @@ class VllmBackend(EngineBackend):
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> VllmBackend:
-        return cls(cli.engine_args_from_namespace(args))
+        return cls(cli.engine_args_from_namespace(args), chosen=cli.chosen_engine_args(args))
+
+    @classmethod
+    def apply_generation_config(
+        cls, config: GenerationConfig, args: argparse.Namespace
+    ) -> list[str]:
+        """The section's vllm_cfg and vllm_kwargs become engine arguments, except
+        where the command line set the same argument (the flag wins)."""
+        chosen = cli.chosen_engine_args(args)
+        notes = []
+        for field, value in cli.generation_engine_args(config.engine, config.engine_kwargs).items():
+            if field in chosen:
+                notes.append(
+                    f"engine argument {field}: the command line's value wins over {value!r}"
+                )
+            else:
+                setattr(args, cli.DEST_PREFIX + field, value)
+        return notes
 
     @classmethod
     def from_engine(

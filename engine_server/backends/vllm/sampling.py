@@ -42,6 +42,7 @@ def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
         stop=list(spec.stop_strings),
         ignore_eos=spec.ignore_eos,
         include_stop_str_in_output=spec.include_stop_str_in_output,
+        bad_words=list(spec.bad_words) or None,
         logprobs=spec.logprobs,
         detokenize=bool(spec.stop_strings),
         output_kind=RequestOutputKind.DELTA,
