@@ -3,7 +3,7 @@
 The one-process design the bridge is measured against: the same rollout
 mapping (``bridge.codec``), the same admission and result assembly (the engine
 server's servicer code through ``bench.local_engine``), the same KV-event
-relay logic (``bridge.kv_relay``), and no gRPC hop.
+relay logic (``bridge.kv_view``), and no gRPC hop.
 
     python -m bench.inprocess_engine <bridge flags without --engine> -- <engine server flags>
 """
@@ -33,7 +33,7 @@ from dynamo.common.utils.token_ids import normalize_request_token_ids
 from bench.local_engine import LocalEngine
 from bridge import codec, errors
 from bridge.config import BridgeConfig, parse_args
-from bridge.kv_relay import KvRelay
+from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class InProcessEngine(LLMEngine):
     def __init__(self, config: BridgeConfig, engine_argv: list[str]) -> None:
         self.config = config
         self.local = LocalEngine(engine_argv)
-        self._relay: KvRelay | None = None
+        self._view: RouterView | None = None
         # Dynamo context id -> engine request id, for abort().
         self._inflight: dict[str, str] = {}
 
@@ -74,12 +74,12 @@ class InProcessEngine(LLMEngine):
     async def kv_event_sources(self) -> list[KvEventSource]:
         if not self.config.kv_events:
             return []
-        relay = self._relay = KvRelay(None, self.local.info.kv_block_size)
-        self.local.on_kv_batch = relay.apply_batch
+        view = self._view = RouterView(self.local.info.kv_block_size)
+        self.local.on_kv_batch(view.apply_batch)
         loop = asyncio.get_running_loop()
 
         def on_ready(publisher: Any) -> None:  # may come from a runtime thread
-            loop.call_soon_threadsafe(relay.set_publisher, publisher)
+            loop.call_soon_threadsafe(view.set_publisher, publisher)
 
         return [PushSource(on_ready=on_ready, dp_rank=0)]
 
@@ -112,9 +112,6 @@ class InProcessEngine(LLMEngine):
             await self.local.abort(request_id)
 
     async def cleanup(self) -> None:
-        relay, self._relay = self._relay, None
-        if relay is not None:
-            await relay.stop()
         await self.local.shutdown()
 
 

@@ -32,6 +32,7 @@ from bridge import codec, errors
 from bridge.client import EngineClient, IncompatibleServerError
 from bridge.config import BridgeConfig, parse_args
 from bridge.kv_relay import KvRelay
+from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
 from bridge.rollout_mux import PendingRollout
 from engine_contract.v1 import engine_pb2 as pb
@@ -137,12 +138,12 @@ class BridgeEngine(LLMEngine):
         block_size = self.info.engine_config.kv_block_size
         if block_size <= 0:
             return []
-        self._relay = KvRelay(
-            self._client,
+        view = RouterView(
             block_size,
             on_instance_change=self._set_instance,
             max_delay_ms=self.config.kv_max_delay_ms,
         )
+        self._relay = KvRelay(self._client, view)
         self._relay.start()
         return [PushSource(on_ready=self._relay.on_ready, dp_rank=0)]
 

@@ -3,8 +3,11 @@
 Dynamo turns ``InvalidArgument`` into HTTP 400 with our message, and migrates a
 request to another worker (frontend ``--migration-limit`` > 0) only on
 ``Disconnected``, ``CannotConnect``, ``ConnectionTimeout`` and
-``EngineShutdown``. So a lost engine server (UNAVAILABLE: refused, reset,
-stream broken, draining) must land on one of those, never on a hang or a 500.
+``EngineShutdown``. The contract's retryable codes
+(``engine_contract.retry.RETRYABLE_CODES``) land on exactly those, and no
+other code does (tests/bridge/test_bridge_errors.py keeps it so): a lost engine
+server (UNAVAILABLE: refused, reset, stream broken, draining) is migrated,
+never a hang or a 500; a request the engine cannot serve is never sent again.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import grpc
 from dynamo.llm.exceptions import (
     Cancelled,
+    CannotConnect,
     ConnectionTimeout,
     Disconnected,
     DynamoException,
@@ -38,9 +42,12 @@ STATUS_TO_DYNAMO: dict[grpc.StatusCode, type[DynamoException]] = {
     grpc.StatusCode.PERMISSION_DENIED: Unknown,
     # Over the message size limit: the request is too big, not the server broken.
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
-    # The server refuses this bridge's contract revision (checked at start too).
-    grpc.StatusCode.FAILED_PRECONDITION: EngineShutdown,
-    grpc.StatusCode.ABORTED: Cancelled,
+    # The server refuses this bridge's contract revision (checked at start too):
+    # a deployment error no retry mends.
+    grpc.StatusCode.FAILED_PRECONDITION: Unknown,
+    # The engine server gave up on a stream the bridge did not read (a stalled
+    # bridge): another worker may well serve it.
+    grpc.StatusCode.ABORTED: Disconnected,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
     grpc.StatusCode.UNIMPLEMENTED: Unknown,
     # The engine failed on this request; not retryable.
@@ -50,6 +57,15 @@ STATUS_TO_DYNAMO: dict[grpc.StatusCode, type[DynamoException]] = {
     grpc.StatusCode.DATA_LOSS: Unknown,
     grpc.StatusCode.UNAUTHENTICATED: Unknown,
 }
+
+
+# What Dynamo migrates to another worker (frontend --migration-limit > 0).
+MIGRATABLE: tuple[type[DynamoException], ...] = (
+    Disconnected,
+    CannotConnect,
+    ConnectionTimeout,
+    EngineShutdown,
+)
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError) -> DynamoException:

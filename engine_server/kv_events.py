@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from engine_contract.v1 import engine_pb2 as pb
@@ -130,6 +130,8 @@ class KvEventHub:
         self._new_data = asyncio.Event()
         self._closed = False
         self.subscribers = 0
+        # In-process consumers of every numbered batch (the one-process bench).
+        self.listeners: list[Callable[[pb.KvEventBatch], object]] = []
 
     @property
     def oldest_seq(self) -> int:
@@ -152,6 +154,8 @@ class KvEventHub:
             )
         )
         self._ring[self.last_seq % self._capacity] = message
+        for listener in self.listeners:
+            listener(message.batch)
         self._wake()
 
     def close(self) -> None:

@@ -21,8 +21,9 @@ from engine_server.errors import Draining, ServerError, StreamStalled
 
 log = logging.getLogger(__name__)
 
-RunRollout = Callable[[pb.RolloutRequest, pb.RolloutResponse], Awaitable[None]]
-"""Answers one rollout into the given response, or raises ServerError."""
+RunRollout = Callable[[pb.RolloutRequest, pb.RolloutResponse], Awaitable[object]]
+"""Answers one rollout into the given response, or raises ServerError
+(``ServerCore.rollout``)."""
 
 # Room for a RolloutsResponse's own framing around its results (a tag and a
 # length prefix each), so that a batch of results that fit stays under the limit.
@@ -43,13 +44,13 @@ class RolloutStream:
 
     def __init__(
         self,
-        run_rollout: RunRollout,
+        rollout: RunRollout,
         context: grpc.aio.ServicerContext,
         *,
         max_message_bytes: int,
         write_timeout_s: float | None,
     ) -> None:
-        self._run = run_rollout
+        self._rollout = rollout
         self._context = context
         self._limit = max_message_bytes - _RESULT_OVERHEAD_BYTES
         self._write_timeout_s = write_timeout_s
@@ -108,7 +109,7 @@ class RolloutStream:
     async def _one(self, tag: int, request: pb.RolloutRequest) -> pb.RolloutResult:
         result = pb.RolloutResult(tag=tag)
         try:
-            await self._run(request, result.response)
+            await self._rollout(request, result.response)
         except ServerError as e:
             return _error(tag, e.code, str(e))
         return result

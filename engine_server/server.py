@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +21,13 @@ from grpc_reflection.v1alpha import reflection
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from engine_server import admission
 from engine_server.addresses import parse_listen_address
 from engine_server.backends.base import EngineBackend, EngineDeadError, EngineInfo
 from engine_server.config import ServerConfig
+from engine_server.core import ServerCore
 from engine_server.kv_events import KvEventHub
 from engine_server.registry import RequestRegistry
-from engine_server.servicer import EngineServicer, Readiness
+from engine_server.servicer import EngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +74,9 @@ class EngineServerHandle:
     """A running engine server. ``stop()`` drains and shuts the engine down."""
 
     address: str
-    instance_id: str
-    config: ServerConfig
+    core: ServerCore
     _server: grpc.aio.Server
-    _backend: EngineBackend
     _health: HealthServicer
-    _registry: RequestRegistry
-    _hub: KvEventHub
-    _readiness: Readiness
     _servicer: EngineServicer
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ready: asyncio.Future[EngineInfo] = field(default_factory=asyncio.Future)
@@ -90,16 +84,24 @@ class EngineServerHandle:
     _stopping: asyncio.Task[None] | None = None
 
     @property
+    def instance_id(self) -> str:
+        return self.core.instance_id
+
+    @property
+    def config(self) -> ServerConfig:
+        return self.core.config
+
+    @property
     def registry(self) -> RequestRegistry:
-        return self._registry
+        return self.core.registry
 
     @property
     def kv_hub(self) -> KvEventHub:
-        return self._hub
+        return self.core.hub
 
     @property
     def backend(self) -> EngineBackend:
-        return self._backend
+        return self.core.backend
 
     async def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         """Wait for the engine; raises what made its start fail."""
@@ -121,24 +123,24 @@ class EngineServerHandle:
         await asyncio.shield(self.request_stop(grace_period_s))
 
     async def _stop(self, grace: float) -> None:
-        log.info(
-            "[shutdown] draining: %d requests in flight, grace %.1fs", len(self._registry), grace
-        )
-        self._readiness.draining = True
+        core = self.core
+        registry = core.registry
+        log.info("[shutdown] draining: %d requests in flight, grace %.1fs", len(registry), grace)
+        core.draining = True
         await _set_health(self._health, NOT_SERVING)
-        if not await self._registry.wait_idle(grace):
-            count = await self._registry.abort_all(shutdown=True)
+        if not await registry.wait_idle(grace):
+            count = await registry.abort_all(shutdown=True)
             log.warning("[shutdown] grace period over: aborted %d requests", count)
-            if not await self._registry.wait_idle(max(grace, 5.0)):
-                log.error("[shutdown] %d requests did not end after abort", len(self._registry))
-        self._hub.close()
+            if not await registry.wait_idle(max(grace, 5.0)):
+                log.error("[shutdown] %d requests did not end after abort", len(registry))
+        core.hub.close()
         self._servicer.close_streams()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.stop(grace=1.0)
         try:
-            await self._backend.shutdown()
+            await core.backend.shutdown()
         except Exception:
             log.exception("[shutdown] engine shutdown failed")
         if not self._ready.done():
@@ -162,18 +164,10 @@ async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineSe
             "carries no authentication beyond TLS client certificates; pass allow_remote "
             "(--allow-remote) to do it anyway"
         )
-    instance_id = uuid.uuid4().hex
-    readiness = Readiness()
-    hub = KvEventHub(
-        instance_id,
-        config.kv_replay_batches,
-        config.kv_snapshot_chunk_blocks,
-        config.limits.max_message_bytes,
-    )
-    registry = RequestRegistry(backend.abort, config.finished_ids_remembered)
+    core = ServerCore(backend, config, uuid.uuid4().hex)
     health = HealthServicer()
     server = grpc.aio.server(options=grpc_server_options(config))
-    servicer = EngineServicer(backend, config, instance_id, registry, hub, readiness)
+    servicer = EngineServicer(core)
     pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -200,38 +194,25 @@ async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineSe
     await _set_health(health, NOT_SERVING)
     await server.start()
     handle = EngineServerHandle(
-        address=address,
-        instance_id=instance_id,
-        config=config,
-        _server=server,
-        _backend=backend,
-        _health=health,
-        _registry=registry,
-        _hub=hub,
-        _readiness=readiness,
-        _servicer=servicer,
+        address=address, core=core, _server=server, _health=health, _servicer=servicer
     )
-    log.info("engine server listening on %s (instance %s)", address, instance_id)
+    log.info("engine server listening on %s (instance %s)", address, core.instance_id)
     handle._tasks.append(asyncio.create_task(_start_engine(handle), name="engine-start"))
     return handle
 
 
 async def _start_engine(handle: EngineServerHandle) -> None:
-    readiness = handle._readiness
+    core = handle.core
     try:
-        info = await handle._backend.start(handle._hub.publish)
+        info = await core.start_engine()
     except asyncio.CancelledError:
         raise
     except BaseException as e:
         log.exception("engine failed to start")
-        readiness.engine_dead = f"failed to start: {e}"
         if not handle._ready.done():
             handle._ready.set_exception(e)
         return
-    readiness.defaults = admission.resolve_defaults(handle.config.defaults, info)
-    readiness.start_time_unix_nanos = time.time_ns()
-    readiness.info = info
-    if readiness.draining:
+    if core.draining:
         return
     await _set_health(handle._health, SERVING)
     log.info(
@@ -254,10 +235,10 @@ async def _watch_engine(handle: EngineServerHandle) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
-            await handle._backend.check_health()
+            await handle.backend.check_health()
         except EngineDeadError as e:
             log.error("engine is dead: %s", e)
-            handle._readiness.engine_dead = str(e) or "engine died"
+            handle.core.engine_dead = str(e) or "engine died"
             await _set_health(handle._health, NOT_SERVING)
             return
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -201,7 +201,7 @@ class EngineBackend(ABC):
     @abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Run one request, yielding deltas; the last one has ``finished`` set.
 
         Closing the iterator early (the consumer was cancelled) must abort the

@@ -6,18 +6,16 @@ import grpc
 import pytest
 from dynamo.llm.exceptions import (
     Cancelled,
-    ConnectionTimeout,
     Disconnected,
-    EngineShutdown,
     InvalidArgument,
     Unknown,
 )
 
 from bridge import errors
 from bridge.codec import ProtocolError, RequestError
+from engine_contract.retry import RETRYABLE_CODES
 
-# What Dynamo migrates to another worker (frontend --migration-limit > 0).
-MIGRATABLE = (Disconnected, ConnectionTimeout, EngineShutdown)
+MIGRATABLE = errors.MIGRATABLE
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
@@ -37,6 +35,13 @@ def test_every_code_maps_to_a_dynamo_exception(code: grpc.StatusCode) -> None:
 def test_invalid_argument_keeps_the_engine_message() -> None:
     exc = errors.from_rpc_error(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long"))
     assert isinstance(exc, InvalidArgument) and str(exc) == "prompt too long"
+
+
+@pytest.mark.parametrize("code", list(grpc.StatusCode))
+def test_exactly_the_retryable_codes_are_migrated(code: grpc.StatusCode) -> None:
+    """The bridge's half of the one retry rule (engine_contract.retry)."""
+    migrated = issubclass(errors.STATUS_TO_DYNAMO[code], MIGRATABLE)
+    assert migrated == (code in RETRYABLE_CODES), code
 
 
 def test_lost_engine_server_is_migratable() -> None:

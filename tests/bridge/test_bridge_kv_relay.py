@@ -1,4 +1,4 @@
-"""KvRelay: batches -> publisher calls, clearing, instance changes, resuming."""
+"""RouterView and KvRelay: batches -> publisher calls, clearing, instance changes, resuming."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import asyncio
 from bridge_fakes import FakeServer, RecordingPublisher
 
 from bridge.client import EngineClient
-from bridge.kv_relay import KvRelay, Verdict, to_signed
+from bridge.kv_relay import KvRelay
+from bridge.kv_view import RouterView, Verdict, to_signed
 from engine_contract.v1 import engine_pb2 as pb
 
 BS = 2
@@ -44,8 +45,8 @@ def subscription(**fields: object) -> pb.SubscribeKvEventsRequest:
     return pb.SubscribeKvEventsRequest(max_batches_per_message=256, **fields)  # type: ignore[arg-type]
 
 
-def relay_with_publisher() -> tuple[KvRelay, RecordingPublisher]:
-    relay = KvRelay(None, BS)
+def relay_with_publisher() -> tuple[RouterView, RecordingPublisher]:
+    relay = RouterView(BS)
     publisher = RecordingPublisher()
     relay.set_publisher(publisher)
     return relay, publisher
@@ -97,7 +98,7 @@ def test_all_cleared_removes_every_known_hash() -> None:
 
 def test_instance_change_clears_and_rebuilds_from_the_snapshot() -> None:
     changes: list[str] = []
-    relay = KvRelay(None, BS, on_instance_change=changes.append)
+    relay = RouterView(BS, on_instance_change=changes.append)
     pub = RecordingPublisher()
     relay.set_publisher(pub)
     relay.apply_batch(batch(1, stored(1, 2)))
@@ -146,7 +147,7 @@ def test_snapshot_out_of_order_resyncs() -> None:
 
 
 def test_buffered_until_the_publisher_arrives() -> None:
-    relay = KvRelay(None, BS)
+    relay = RouterView(BS)
     relay.apply_batch(batch(1, stored(1, 2)))
     relay.apply_batch(batch(2, removed(1)))
     pub = RecordingPublisher()
@@ -156,7 +157,7 @@ def test_buffered_until_the_publisher_arrives() -> None:
 
 
 def test_clear_before_the_publisher_drops_the_buffer() -> None:
-    relay = KvRelay(None, BS)
+    relay = RouterView(BS)
     relay.apply_batch(batch(1, stored(1, 2)))
     relay.apply_batch(batch(2, cleared(), stored(3)))
     pub = RecordingPublisher()
@@ -166,7 +167,7 @@ def test_clear_before_the_publisher_drops_the_buffer() -> None:
 
 
 def test_buffer_overflow_asks_for_a_new_snapshot() -> None:
-    relay = KvRelay(None, BS, max_buffered=2)
+    relay = RouterView(BS, max_buffered=2)
     for seq in range(1, 5):
         relay.apply_batch(batch(seq, stored(seq)))
     pub = RecordingPublisher()
@@ -186,7 +187,7 @@ async def test_stream_subscribes_resumes_and_stops() -> None:
     async with FakeServer() as server:
         fake = server.engine
         client = EngineClient(server.address)
-        relay = KvRelay(client, BS, backoff_s=(0.01, 0.05))
+        relay = KvRelay(client, RouterView(BS), backoff_s=(0.01, 0.05))
         relay.start()
         relay.on_ready(pub := RecordingPublisher())
         await fake.kv_batches.put(batch(2, cleared(), stored(1), snapshot=(0, True)))
@@ -211,12 +212,12 @@ async def test_overflow_before_the_publisher_resubscribes_for_a_snapshot() -> No
     async with FakeServer() as server:
         fake = server.engine
         client = EngineClient(server.address)
-        relay = KvRelay(client, BS, max_buffered=1, backoff_s=(0.01, 0.05))
+        relay = KvRelay(client, RouterView(BS, max_buffered=1), backoff_s=(0.01, 0.05))
         relay.start()
         for seq in (1, 2, 3):
             await fake.kv_batches.put(batch(seq, stored(seq)))
         for _ in range(200):
-            if fake.kv_batches.empty() and relay._overflowed:
+            if fake.kv_batches.empty() and relay.view._overflowed:
                 break
             await asyncio.sleep(0.01)
         pub = RecordingPublisher()
@@ -255,7 +256,7 @@ class BatchingPublisher(RecordingPublisher):
 
 def test_each_batch_goes_to_publish_batch_in_one_call() -> None:
     expected_relay, expected = relay_with_publisher()
-    relay = KvRelay(None, BS)
+    relay = RouterView(BS)
     pub = BatchingPublisher()
     relay.set_publisher(pub)
     batches = [
@@ -275,7 +276,7 @@ def test_each_batch_goes_to_publish_batch_in_one_call() -> None:
 
 def test_a_refused_batch_is_published_event_by_event() -> None:
     expected_relay, expected = relay_with_publisher()
-    relay = KvRelay(None, BS)
+    relay = RouterView(BS)
     pub = BatchingPublisher(refuse=True)
     relay.set_publisher(pub)
     b = batch(1, stored(10, 11), removed(10))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,7 +143,7 @@ class SimBackend(EngineBackend):
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         if spec.bad_words:
             raise EngineRequestError("bad_words: the sim backend does not support them")
         req = self.engine.submit(request_id, prompt_token_ids, spec)

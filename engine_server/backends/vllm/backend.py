@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -267,7 +267,7 @@ class VllmBackend(EngineBackend):
     # -- requests --------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         engine = self.engine
         if spec.stop_strings and engine.tokenizer is None:
             # vLLM would silently never match them (no detokenizer).

@@ -1,0 +1,288 @@
+"""RouterView: this worker's cached blocks as Dynamo's KV router must see them.
+
+A pure state machine, no I/O: it takes the engine server's KV-event batches
+(``SubscribeKvEvents`` messages) in order and publishes their effect into
+Dynamo's ``KvEventPublisher`` (handed over through ``PushSource``), keeping the
+router's view of this worker equal to the engine's cache. ``KvRelay`` feeds it
+from the gRPC stream; the one-process benchmark feeds it directly.
+
+- Until the publisher arrives, events are buffered (bounded; on overflow the
+  buffer is dropped and a fresh snapshot is asked for once it is there).
+- Position: the first subscription asks for a snapshot; after a broken stream
+  the relay resumes at ``last sequence + 1`` on the same instance, accepting a
+  snapshot if the server cannot replay from there.
+- Dynamo 1.6.1's publisher has no clear-all call, so "clear this worker"
+  (AllBlocksCleared, or a new engine instance id) is ``publish_removed`` of
+  every hash published and not removed.
+- Engine hashes are unsigned 64-bit; Dynamo wants signed int64.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from engine_contract.v1 import engine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+
+
+def to_signed(block_hash: int) -> int:
+    """The engine's unsigned 64-bit hash as the signed int64 Dynamo expects."""
+    return block_hash - _U64 if block_hash > _I64_MAX else block_hash
+
+
+class KvPublisher(Protocol):
+    """What the view needs of Dynamo's ``KvEventPublisher`` (``publish_batch`` optional)."""
+
+    def publish_stored(self, **kwargs: Any) -> Any: ...
+
+    def publish_removed(self, **kwargs: Any) -> Any: ...
+
+
+class Verdict(enum.Enum):
+    APPLIED = "applied"
+    STALE = "stale"  # already seen (a replay overlapping what we had)
+    RESYNC = "resync"  # a gap or a stray batch: subscribe again from our position
+
+
+Event = tuple[str, dict[str, Any]]
+
+
+class RouterView:
+    """Applies KV-event batches in order and publishes them (see the module docs)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        on_instance_change: Callable[[str], None] | None = None,
+        on_resync: Callable[[], None] | None = None,
+        max_buffered: int = 100_000,
+        max_batches_per_message: int = 256,
+        max_delay_ms: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self._on_instance_change = on_instance_change
+        # Called when the view needs a fresh subscription (a snapshot) at once.
+        self.on_resync = on_resync
+        self._max_buffered = max_buffered
+        # Several engine batches per stream message (servers of contract
+        # revision 2; older ones send one each): fewer messages to pay for.
+        self._max_batches_per_message = max_batches_per_message
+        self._max_delay_ms = max_delay_ms
+        self.instance_id: str | None = None
+        self.last_seq: int | None = None
+        # Signed hashes published (or buffered) and not removed since.
+        self.known: set[int] = set()
+        self._publisher: KvPublisher | None = None
+        self._pending: list[Event] = []
+        # While a batch is applied, its events collect here and go to Dynamo in
+        # one publish_batch call (one crossing into Dynamo's runtime per batch).
+        self._outbox: list[Event] | None = None
+        self._overflowed = False
+        self._snapshot_next: int | None = None
+        self.batches_applied = 0
+
+    # -- publisher ---------------------------------------------------------
+
+    def set_publisher(self, publisher: KvPublisher) -> None:
+        self._publisher = publisher
+        pending, self._pending = self._pending, []
+        self._publish_all(publisher, pending)
+        log.info("kv relay: publisher ready, %d buffered events sent", len(pending))
+        if self._overflowed:
+            # What overflowed is lost: start over from a snapshot.
+            self._overflowed = False
+            self.reset_position()
+            if self.on_resync is not None:
+                self.on_resync()
+
+    def _emit(self, kind: str, kwargs: dict[str, Any]) -> None:
+        if self._publisher is not None:
+            if self._outbox is not None:
+                self._outbox.append((kind, kwargs))
+            else:
+                _publish(self._publisher, kind, kwargs)
+            return
+        if self._overflowed:
+            return
+        self._pending.append((kind, kwargs))
+        if len(self._pending) > self._max_buffered:
+            log.warning(
+                "kv relay: over %d events before the publisher came; dropping them",
+                self._max_buffered,
+            )
+            self._pending.clear()
+            self.known.clear()
+            self._overflowed = True
+
+    @staticmethod
+    def _publish_all(publisher: KvPublisher, events: list[Event]) -> None:
+        """In order; one ``publish_batch`` call when the publisher has it (Dynamo 1.6.1
+        does), else (or if the batch is refused) one call per event."""
+        publish_batch = getattr(publisher, "publish_batch", None)
+        if publish_batch is not None and len(events) > 1:
+            try:
+                # The publisher validates the whole list before it enqueues any of it.
+                publish_batch([{"type": kind, **kwargs} for kind, kwargs in events])
+                return
+            except Exception:
+                log.warning("kv relay: publish_batch failed; publishing one by one", exc_info=True)
+        for kind, kwargs in events:
+            _publish(publisher, kind, kwargs)
+
+    # -- events ------------------------------------------------------------
+
+    def subscription_request(self) -> pb.SubscribeKvEventsRequest:
+        """Where to (re)start: a snapshot first, then resume after the last batch."""
+        if self.instance_id is None or self.last_seq is None:
+            return pb.SubscribeKvEventsRequest(
+                include_snapshot=True,
+                max_batches_per_message=self._max_batches_per_message,
+                max_delay_ms=self._max_delay_ms,
+            )
+        return pb.SubscribeKvEventsRequest(
+            start_sequence_number=self.last_seq + 1,
+            snapshot_if_unavailable=True,
+            expected_instance_id=self.instance_id,
+            max_batches_per_message=self._max_batches_per_message,
+            max_delay_ms=self._max_delay_ms,
+        )
+
+    def apply_batch(self, batch: pb.KvEventBatch) -> Verdict:
+        """Apply one batch in order; say whether to go on, skip, or resubscribe."""
+        return self.apply_batches((batch,))
+
+    def apply_message(self, message: pb.SubscribeKvEventsResponse) -> Verdict:
+        """A stream message: several batches (``batches``) or one (``batch``)."""
+        return self.apply_batches(message.batches if len(message.batches) else (message.batch,))
+
+    def apply_batches(self, batches: Sequence[pb.KvEventBatch]) -> Verdict:
+        """Apply batches in order, their events published into Dynamo together;
+        RESYNC stops at the batch that needs it."""
+        self._outbox = []
+        applied = False
+        try:
+            for batch in batches:
+                verdict = self._apply_batch(batch)
+                if verdict is Verdict.RESYNC:
+                    return verdict
+                applied = applied or verdict is Verdict.APPLIED
+            return Verdict.APPLIED if applied else Verdict.STALE
+        finally:
+            outbox, self._outbox = self._outbox, None
+            if outbox and self._publisher is not None:
+                self._publish_all(self._publisher, outbox)
+
+    def _apply_batch(self, batch: pb.KvEventBatch) -> Verdict:
+        if self._overflowed and self._publisher is None:
+            return Verdict.STALE
+        if batch.instance_id != self.instance_id:
+            self._new_instance(batch.instance_id)
+        seq = batch.sequence_number
+        if batch.HasField("snapshot"):
+            part = batch.snapshot
+            if part.index != (0 if self._snapshot_next is None else self._snapshot_next):
+                self.reset_position()
+                return Verdict.RESYNC
+            self._snapshot_next = None if part.last else part.index + 1
+        else:
+            if self._snapshot_next is not None:
+                # A live batch in the middle of a snapshot: start over.
+                self.reset_position()
+                return Verdict.RESYNC
+            if self.last_seq is None:
+                if seq != 1:  # history we never saw: take a snapshot instead
+                    return Verdict.RESYNC
+            elif seq <= self.last_seq:
+                return Verdict.STALE
+            elif seq != self.last_seq + 1:
+                log.warning("kv relay: gap after batch %d (got %d); resuming", self.last_seq, seq)
+                return Verdict.RESYNC
+        for event in batch.events:
+            self._apply_event(event)
+        self.last_seq = seq
+        self.batches_applied += 1
+        return Verdict.APPLIED
+
+    def _apply_event(self, event: pb.KvEvent) -> None:
+        which = event.WhichOneof("event")
+        if which == "stored":
+            stored = event.stored
+            hashes = [to_signed(h) for h in stored.block_hashes]
+            size = stored.block_size or self.block_size
+            if not hashes:
+                return
+            if len(stored.token_ids) != size * len(hashes):
+                log.warning(
+                    "kv relay: stored event with %d tokens for %d blocks of %d; skipped",
+                    len(stored.token_ids),
+                    len(hashes),
+                    size,
+                )
+                return
+            self.known.update(hashes)
+            self._emit(
+                "stored",
+                {
+                    "token_ids": list(stored.token_ids),
+                    "num_block_tokens": [size] * len(hashes),
+                    "block_hashes": hashes,
+                    "parent_hash": (
+                        to_signed(stored.parent_block_hash)
+                        if stored.HasField("parent_block_hash")
+                        else None
+                    ),
+                    "lora_name": stored.lora_name or None,
+                },
+            )
+        elif which == "removed":
+            hashes = [to_signed(h) for h in event.removed.block_hashes]
+            if hashes:
+                self.known.difference_update(hashes)
+                self._emit("removed", {"block_hashes": hashes})
+        elif which == "cleared":
+            self.clear()
+
+    def clear(self) -> None:
+        """Drop this worker's blocks from the router's view (no clear-all in Dynamo 1.6.1)."""
+        if self._publisher is None:
+            # Nothing reached Dynamo yet: forgetting the buffer is the same thing.
+            self._pending.clear()
+        elif self.known:
+            self._emit("removed", {"block_hashes": sorted(self.known)})
+        self.known.clear()
+
+    def _new_instance(self, instance_id: str) -> None:
+        if self.instance_id is not None:
+            log.info(
+                "kv relay: engine instance changed %s -> %s; clearing its blocks",
+                self.instance_id,
+                instance_id,
+            )
+            self.clear()
+        self.instance_id = instance_id
+        self.last_seq = None
+        self._snapshot_next = None
+        if self._on_instance_change is not None:
+            self._on_instance_change(instance_id)
+
+    def reset_position(self) -> None:
+        self.last_seq = None
+        self._snapshot_next = None
+
+
+def _publish(publisher: KvPublisher, kind: str, kwargs: dict[str, Any]) -> None:
+    try:
+        if kind == "stored":
+            publisher.publish_stored(**kwargs)
+        else:
+            publisher.publish_removed(**kwargs)
+    except Exception:  # one bad event must not end the relay
+        log.exception("kv relay: publishing a %s event failed", kind)
