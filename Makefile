@@ -63,6 +63,7 @@ proto-lint: $(BUF)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: $(STAMP) proto-check proto-lint lint
 	$(PY) -m pytest -q

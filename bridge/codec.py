@@ -16,7 +16,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from bridge import wire
 from engine_contract.v1 import engine_pb2 as pb
@@ -47,6 +47,23 @@ _DTYPES: dict[int, str] = {
     pb.TENSOR_DTYPE_INT32: "int32",
     pb.TENSOR_DTYPE_INT64: "int64",
 }
+
+
+class Chunk(TypedDict, total=False):
+    """What the bridge yields to Dynamo: its ``GenerateChunk`` (engine.py of
+    ``dynamo.common.backend``), key for key, plus ``stop_reason``, which the
+    frontend passes on. Declared here so that this module stays Dynamo-free."""
+
+    token_ids: Required[list[int]]
+    index: Required[int]
+    finish_reason: str
+    completion_usage: dict[str, Any]
+    disaggregated_params: dict[str, Any]
+    encoder_result: dict[str, Any]
+    log_probs: list[float]
+    top_logprobs: list[list[dict[str, Any]]]
+    engine_data: dict[str, Any]
+    stop_reason: int | str
 
 
 class RequestError(ValueError):
@@ -176,7 +193,7 @@ def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
     return out
 
 
-def rollout_chunk(resp: pb.RolloutResponse) -> dict[str, Any]:
+def rollout_chunk(resp: pb.RolloutResponse) -> Chunk:
     """The rollout's one and only chunk.
 
     ``token_ids`` is empty on purpose: the frontend's EOS and stop-string handling
@@ -184,7 +201,7 @@ def rollout_chunk(resp: pb.RolloutResponse) -> dict[str, Any]:
     chunk's tokens, and a rollout must come back exactly as the engine made it.
     The result travels whole in ``engine_data``; usage still counts the tokens.
     """
-    chunk: dict[str, Any] = {
+    chunk: Chunk = {
         "token_ids": [],
         "index": 0,
         "finish_reason": _FINISH_REASONS.get(resp.finish_reason, "error"),
@@ -316,10 +333,10 @@ def _refuse_unsupported(
         raise RequestError("prompt_logprobs is not supported by this engine")
 
 
-def generate_chunk(resp: pb.GenerateResponse) -> dict[str, Any]:
+def generate_chunk(resp: pb.GenerateResponse) -> Chunk:
     """One Generate delta as a Dynamo chunk; the last one adds finish reason and usage."""
     token_ids = list(resp.token_ids)
-    chunk: dict[str, Any] = {"token_ids": token_ids, "index": 0}
+    chunk: Chunk = {"token_ids": token_ids, "index": 0}
     if resp.logprobs:
         if len(resp.logprobs) != len(token_ids):
             raise ProtocolError(f"{len(resp.logprobs)} logprobs for {len(token_ids)} tokens")
@@ -374,7 +391,7 @@ def stop_reason(match: pb.StopMatch) -> int | str | None:
     return None if which is None else getattr(match, which)
 
 
-def cancelled_chunk(prompt_tokens: int, completion_tokens: int = 0) -> dict[str, Any]:
+def cancelled_chunk(prompt_tokens: int, completion_tokens: int = 0) -> Chunk:
     """The terminal chunk of a request aborted by Dynamo (client gone, stop string hit)."""
     return {
         "token_ids": [],

@@ -185,7 +185,7 @@ class BridgeEngine(LLMEngine):
             client = self._client
             if client is None or not await client.serving():
                 raise errors.engine_not_serving(self.config.engine_address)
-            yield {"token_ids": [], "index": 0, "finish_reason": "stop"}  # type: ignore[misc]
+            yield {"token_ids": [], "index": 0, "finish_reason": "stop"}
             return
         normalize_request_token_ids(request)
         try:
@@ -214,7 +214,7 @@ class BridgeEngine(LLMEngine):
                 chunks = self._generate(client, entry, request)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    yield chunk  # type: ignore[misc]
+                    yield chunk
         finally:
             # Dynamo closes the stream early on a client disconnect or a stop string;
             # cancelling the call aborts the engine request at once.
@@ -231,7 +231,7 @@ class BridgeEngine(LLMEngine):
         entry: _InFlight,
         request: GenerateRequest,
         spec: codec.RolloutSpec,
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[codec.Chunk, None]:
         try:
             message = codec.build_rollout_request(entry.request_id, request, spec)
             call: PendingRollout | grpc.aio.UnaryUnaryCall = (
@@ -254,7 +254,7 @@ class BridgeEngine(LLMEngine):
 
     async def _generate(
         self, client: EngineClient, entry: _InFlight, request: GenerateRequest
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[codec.Chunk, None]:
         prompt_tokens = len(request["token_ids"])
         generated = 0
         try:

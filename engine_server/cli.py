@@ -181,6 +181,15 @@ def config_from_args(
         raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
     if args.stream_write_timeout_s < 0:
         raise SystemExit("--stream-write-timeout-s must be >= 0 (0 disables the watchdog)")
+    try:
+        return _server_config(args, generation, tls)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _server_config(
+    args: argparse.Namespace, generation: GenerationConfig | None, tls: TlsConfig | None
+) -> ServerConfig:
     return ServerConfig(
         listen=args.listen,
         allow_remote=args.allow_remote,
@@ -225,7 +234,7 @@ async def run(args: argparse.Namespace) -> int:
     handle = await start_server(backend, config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: _on_signal(handle, s))
+        loop.add_signal_handler(sig, _on_signal, handle, sig)
     try:
         await handle.wait_ready()
     except Exception as e:
@@ -271,5 +280,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = runner.run(run(args))
     except (ValueError, OSError) as e:
         log.error("%s", e)
+        code = 2
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        log.error("%s", e.code)  # a configuration the server refuses: a usage error
         code = 2
     raise SystemExit(code)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine_server.addresses import parse_listen_address
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,11 @@ class Limits:
     max_message_bytes: int = 64 * 1024 * 1024
     max_top_logprobs: int = 20
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"limit {f.name} must be >= 1, got {getattr(self, f.name)}")
+
 
 @dataclass(frozen=True)
 class TlsConfig:
@@ -82,3 +90,33 @@ class ServerConfig:
     # not read before the call is ended (ABORTED) and its engine request aborted.
     # None: no bound.
     stream_write_timeout_s: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        """The same checks for ``serve(backend, ServerConfig(...))`` as for the CLI."""
+        listen = parse_listen_address(self.listen)  # ValueError naming the problem
+        if not listen.is_loopback() and not self.allow_remote:
+            raise ValueError(
+                f"refusing to listen on non-loopback address {self.listen!r}: the contract "
+                "carries no authentication beyond TLS client certificates; pass allow_remote "
+                "(--allow-remote) to do it anyway"
+            )
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace period must be >= 0 s, got {self.grace_period_s}")
+        if self.stream_write_timeout_s is not None and not self.stream_write_timeout_s > 0:
+            raise ValueError(
+                "stream write timeout must be > 0 s, or None for no watchdog, got "
+                f"{self.stream_write_timeout_s}"
+            )
+        for name in (
+            "kv_replay_batches",
+            "kv_snapshot_chunk_blocks",
+            "finished_ids_remembered",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.health_poll_interval_s > 0:
+            raise ValueError(
+                f"health poll interval must be > 0 s, got {self.health_poll_interval_s}"
+            )
+        if self.tls is not None and self.tls.client_ca_file is not None and not self.tls.cert_file:
+            raise ValueError("a client CA needs the server's own certificate and key")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import engine_contract
@@ -187,7 +187,9 @@ class ServerCore:
             )
         return response
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, request: pb.GenerateRequest
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """An ordinary completion's messages: deltas, the last one with ``finished``.
 
         Close the iterator early (``contextlib.aclosing``) and the engine

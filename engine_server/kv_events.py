@@ -283,10 +283,10 @@ class KvEventHub:
                     cursor = None
                     continue
                 if most <= 1:
-                    message = self._ring[cursor % self._capacity]
-                    assert message is not None
+                    buffered = self._ring[cursor % self._capacity]
+                    assert buffered is not None  # cursor is within [oldest_seq, last_seq]
                     cursor += 1
-                    yield message
+                    yield buffered
                     continue
                 if delay and not held and self.last_seq - cursor + 1 < most:
                     # Hold the first waiting batch back so that those the engine

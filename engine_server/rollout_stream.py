@@ -101,10 +101,10 @@ class RolloutStream:
                 self._running[tag] = task
                 task.add_done_callback(functools.partial(self._finished, tag))
             for tag in message.cancel:
-                task = self._running.get(tag)
-                if task is not None and not task.done():
+                running = self._running.get(tag)
+                if running is not None and not running.done():
                     self._cancelled.add(tag)
-                    task.cancel()
+                    running.cancel()
 
     async def _one(self, tag: int, request: pb.RolloutRequest) -> pb.RolloutResult:
         result = pb.RolloutResult(tag=tag)

@@ -157,13 +157,7 @@ async def _set_health(health: HealthServicer, status: int) -> None:
 async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineServerHandle:
     """Bind and start serving now (health NOT_SERVING); the engine starts in the
     background and the handle's ``wait_ready()`` reports when it is up."""
-    listen = parse_listen_address(config.listen)
-    if not listen.is_loopback() and not config.allow_remote:
-        raise ValueError(
-            f"refusing to listen on non-loopback address {config.listen!r}: the contract "
-            "carries no authentication beyond TLS client certificates; pass allow_remote "
-            "(--allow-remote) to do it anyway"
-        )
+    listen = parse_listen_address(config.listen)  # ServerConfig checked it already
     core = ServerCore(backend, config, uuid.uuid4().hex)
     health = HealthServicer()
     server = grpc.aio.server(options=grpc_server_options(config))

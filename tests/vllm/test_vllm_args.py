@@ -9,7 +9,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from engine_server.backends.vllm import VllmBackend, _env
 from engine_server.backends.vllm import args as args_module
-from engine_server.backends.vllm.args import CORE_FLAGS, engine_args_from_namespace
+from engine_server.backends.vllm.args import core_flags, engine_args_from_namespace
 from engine_server.cli import build_parser
 
 pytestmark = pytest.mark.vllm
@@ -67,7 +67,7 @@ def test_defaults_only_where_the_user_gave_none(monkeypatch: pytest.MonkeyPatch)
 
 def test_no_core_flag_is_shadowed() -> None:
     parser = build_parser("vllm")
-    for flag in CORE_FLAGS - {"-h", "--help"}:
+    for flag in core_flags() - {"-h", "--help"}:
         action = parser._option_string_actions.get(flag)
         if action is not None:
             assert not action.dest.startswith("vllm_"), flag

@@ -12,7 +12,7 @@ group, with two changes so that the two sets of flags can never collide:
   user gave is there, so "the user chose it" is exact, and everything else is
   ``AsyncEngineArgs``'s own default, as for an engine built in code (NeMo RL's
   ``AsyncEngineArgs(**kwargs)``);
-- an option string the server already uses, or reserves (``CORE_FLAGS``), is
+- an option string the server already uses, or reserves (``core_flags()``), is
   renamed ``--vllm-<name>``: today only ``--log-level`` (vLLM's shortcut for
   its logging config) becomes ``--vllm-log-level``. Short options that
   collide are dropped.
@@ -59,13 +59,16 @@ if TYPE_CHECKING:
 
 DEST_PREFIX = "vllm_"
 RENAME_PREFIX = "--vllm-"
-# The server core's flags: treated as taken even if the core adds them after
-# the backend's, so the result does not depend on the order of registration.
-CORE_FLAGS = frozenset(
-    "--listen --allow-remote --tls-cert --tls-key --tls-client-ca --grace-period-s "
-    "--max-message-bytes --max-stop-strings --kv-replay-batches --temperature --top-p "
-    "--top-k --max-new-tokens --stop-token-ids --log-level --backend -h --help".split()
-)
+
+
+def core_flags() -> frozenset[str]:
+    """Every option string of the server core's own parser (the one without a
+    backend): treated as taken whatever the order of registration."""
+    from engine_server.cli import build_parser
+
+    return frozenset(build_parser(None)._option_string_actions)
+
+
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
@@ -83,7 +86,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "vLLM's AsyncEngineArgs, spelled as by `vllm serve` (see the module docs "
         "of engine_server.backends.vllm.args for the differences).",
     )
-    taken = set(parser._option_string_actions) | CORE_FLAGS
+    taken = set(parser._option_string_actions) | core_flags()
     for action in _vllm_parser()._actions:
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue

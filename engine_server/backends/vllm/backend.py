@@ -56,8 +56,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# vLLM errors that mean "this request's parameters", not "the engine".
-_REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError)
+# vLLM errors that mean "this request's parameters", not "the engine". Not
+# TypeError: that is a bug (ours or vLLM's), and blaming the client for it would
+# hide it; it reaches the caller as INTERNAL.
+_REQUEST_ERRORS = (VLLMClientError, ValueError)
 
 
 @dataclasses.dataclass
@@ -98,16 +100,29 @@ class VllmBackend(EngineBackend):
     supports_bad_words = True
 
     def __init__(
-        self, engine_args: AsyncEngineArgs, *, chosen: Collection[str] | None = None
+        self,
+        engine_args: AsyncEngineArgs | None = None,
+        *,
+        engine: AsyncLLM | None = None,
+        chosen: Collection[str] | None = None,
+        kv_events_endpoint: str | Sequence[str] | None = None,
     ) -> None:
-        """``chosen``: the engine arguments the user set (see ``apply_engine_defaults``)."""
-        self._engine_args: AsyncEngineArgs | None = engine_args
-        self.defaults_applied = cli.apply_engine_defaults(engine_args, chosen)
-        if self.defaults_applied:
-            log.info("vLLM engine defaults, where none were given: %s", self.defaults_applied)
-        self._engine: AsyncLLM | None = None
-        self._owns_engine = True
-        self._kv_endpoints: list[str] | None = None
+        """Exactly one of ``engine_args`` (the backend creates and owns the engine;
+        ``chosen``: the arguments the user set, see ``apply_engine_defaults``) and
+        ``engine`` (the host's; see ``from_engine``)."""
+        if (engine_args is None) == (engine is None):
+            raise ValueError("give VllmBackend either engine_args or an engine, not both")
+        self._engine_args = engine_args
+        self.defaults_applied: dict[str, Any] = {}
+        if engine_args is not None:
+            self.defaults_applied = cli.apply_engine_defaults(engine_args, chosen)
+            if self.defaults_applied:
+                log.info("vLLM engine defaults, where none were given: %s", self.defaults_applied)
+        self._engine = engine
+        self._owns_engine = engine is None
+        if isinstance(kv_events_endpoint, str):
+            kv_events_endpoint = [kv_events_endpoint]
+        self._kv_endpoints = None if kv_events_endpoint is None else list(kv_events_endpoint)
         self._kv: KvEventSubscriber | None = None
         self._view = _SchedulerView()
         self._info: EngineInfo | None = None
@@ -151,20 +166,7 @@ class VllmBackend(EngineBackend):
         rank; by default those the engine reports (``get_kv_event_sources``),
         else its configured ``kv_events_config``. No events when it has none.
         """
-        self = cls.__new__(cls)
-        self._engine_args = None
-        self.defaults_applied = {}
-        self._engine = engine
-        self._owns_engine = False
-        if isinstance(kv_events_endpoint, str):
-            kv_events_endpoint = [kv_events_endpoint]
-        self._kv_endpoints = None if kv_events_endpoint is None else list(kv_events_endpoint)
-        self._kv = None
-        self._view = _SchedulerView()
-        self._info = None
-        self._closed = False
-        self._live = {}
-        return self
+        return cls(engine=engine, kv_events_endpoint=kv_events_endpoint)
 
     @property
     def engine(self) -> AsyncLLM:
@@ -226,7 +228,7 @@ class VllmBackend(EngineBackend):
             if self._kv is not None:
                 self._kv.start()
         try:
-            self._engine = await asyncio.to_thread(
+            engine = await asyncio.to_thread(
                 AsyncLLM.from_engine_args, ea, stat_loggers=[_stat_logger_factory(self._view)]
             )
         except BaseException:
@@ -235,11 +237,11 @@ class VllmBackend(EngineBackend):
                 self._kv = None
             raise
         if self._closed:  # shutdown() came while the engine was starting
-            await asyncio.to_thread(self._engine.shutdown)
-            self._engine = None
+            await asyncio.to_thread(engine.shutdown)
             raise base.EngineDeadError("shut down while starting")
+        self._engine = engine
         if self._kv is not None and not self._kv.endpoints:
-            self._kv.attach(_publisher_endpoints(self._engine))
+            self._kv.attach(_publisher_endpoints(engine))
 
     def _start_relay(self, sink: KvEventSink, loop: asyncio.AbstractEventLoop) -> None:
         endpoints = self._kv_endpoints or _publisher_endpoints(self.engine)
