@@ -41,17 +41,17 @@ import aiohttp
 import grpc
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from procs import Proc, ProcessGroup, dynamo_env, wait_for_model, wait_until  # noqa: E402
-
-from bench.local_engine import LocalEngine  # noqa: E402
-from bench.stats import Cell, closed_loop, median, percentile, summarize  # noqa: E402
-from bridge import driver  # noqa: E402
-from bridge.client import EngineClient  # noqa: E402
-from engine_contract.v1 import engine_pb2 as pb  # noqa: E402
+from bench.local_engine import LocalEngine
+from bench.stats import Cell, closed_loop, median, percentile, summarize
+from bridge import driver
+from bridge.client import EngineClient
+from engine_contract.v1 import engine_pb2 as pb
+from harness import ROOT
+from harness.env import dynamo_env
+from harness.http import wait_for_model
+from harness.procs import Proc, ProcessGroup
+from harness.tiny_model import tiny_model_dir
+from harness.waits import wait_until
 
 PROMPT_TOKENS = 64
 GEN_TOKENS = 32
@@ -119,9 +119,7 @@ class Bench:
         self.root = root
         self.group = group
         self.env = dynamo_env(root / "kv")
-        from build_tiny_model import build_tiny_model
-
-        self.model_dir = Path(build_tiny_model(ROOT / ".artifacts" / "tiny-model"))
+        self.model_dir = tiny_model_dir()
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab = int(config["vocab_size"])
         self.prompts = prompts(4096, self.vocab)

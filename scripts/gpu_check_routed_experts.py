@@ -30,7 +30,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
 
@@ -128,7 +127,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--keep", type=Path, help="build the model here and keep it")
     args = parser.parse_args()
-    from build_tiny_model import build_tiny_model
+    from harness.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(args.keep or Path(tmp) / "tiny-moe", seed=0, moe=True)

@@ -34,7 +34,6 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 class TreeRss:
@@ -159,7 +158,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=ROOT / ".artifacts" / "tiny-model")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
-    from build_tiny_model import build_tiny_model
+    from harness.tiny_model import build_tiny_model
 
     model = build_tiny_model(args.model)
     runs = [measure_once(model, args.kv_cache_mib, extra) for _ in range(args.runs)]

@@ -19,18 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
-import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -38,6 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bridge.driver import RolloutClient, RolloutResult  # noqa: E402
+from harness.env import dynamo_env, importable  # noqa: E402
+from harness.http import served_models  # noqa: E402
+from harness.procs import ProcessGroup  # noqa: E402
+from harness.tiny_model import tiny_model_dir  # noqa: E402
+from harness.waits import wait_until  # noqa: E402
 
 NAMESPACE = "demo"
 PROMPTS = (
@@ -55,93 +53,24 @@ def say(message: str) -> None:
 
 def default_engine() -> str:
     has_backend = (ROOT / "engine_server" / "backends" / "vllm" / "backend.py").exists()
-    return "vllm" if has_backend and importlib.util.find_spec("vllm") is not None else "sim"
+    return "vllm" if has_backend and importable("vllm") else "sim"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Processes:
-    """Children in their own sessions (so Ctrl-C reaches only us), stopped in reverse."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            list(argv),
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
-        log.close()
-        self.children.append((name, proc))
-        return proc
-
-    def check(self) -> None:
-        for name, proc in self.children:
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
-
-    def stop_all(self) -> None:
-        for name, proc in reversed(self.children):
-            if proc.poll() is None:
-                say(f"stopping {name} (pid {proc.pid})")
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-        self.children.clear()
-
-
-def wait_for(predicate: object, what: str, procs: Processes, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        procs.check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout:.0f}s (logs: {procs.log_dir})")
-        time.sleep(0.1)
-
-
-def model_listed(base_url: str, name: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=2) as resp:
-            return any(m.get("id") == name for m in json.load(resp).get("data", []))
-    except OSError:
-        return False
-
-
-def engine_argv(engine: str, model_dir: Path, name: str, ready_file: Path) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "engine_server",
-        "--backend",
-        engine,
-        "--listen",
-        "127.0.0.1:0",
-        "--ready-file",
-        str(ready_file),
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        name,
-        "--max-new-tokens",
-        "32",
-    ]
+def engine_args(engine: str, model_dir: Path, name: str) -> list[str]:
+    """The engine server's flags (after ``--backend ENGINE --listen ADDR``)."""
+    args = ["--model", str(model_dir), "--served-model-name", name, "--max-new-tokens", "32"]
     if engine == "sim":
-        argv += ["--routed-experts", "2,2,8", "--eos-rate", "0.02"]
-    return argv
+        args += ["--routed-experts", "2,2,8", "--eos-rate", "0.02"]
+    return args
+
+
+def stop_all(group: ProcessGroup) -> None:
+    """Children in their own sessions (so Ctrl-C reaches only us), stopped in reverse."""
+    for proc in reversed(group.procs):
+        if proc.alive():
+            say(f"stopping {proc.name} (pid {proc.pid})")
+            proc.stop(timeout=20)
+    group.close()
 
 
 def show(i: int, prompt: str, result: RolloutResult, tokenizer: object, seconds: float) -> None:
@@ -186,85 +115,34 @@ async def send_rollouts(base_url: str, model_dir: Path, name: str, count: int) -
 
 def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
     work = Path(tempfile.mkdtemp(prefix="dynamo-demo-"))
-    logs = work / "logs"
-    logs.mkdir()
-    procs = Processes(logs)
-    env = {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(work / "kv"),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_SYSTEM_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-        "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    group = ProcessGroup(work / "logs")
+    env = dynamo_env(work / "kv", DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS="1")
     ok = False
     try:
         if model is None:
             say("[1/5] building the tiny model")
-            sys.path.insert(0, str(ROOT / "scripts"))
-            from build_tiny_model import build_tiny_model
-
-            model_dir = build_tiny_model(ROOT / ".artifacts" / "tiny-model")
-            name = "tiny"
+            model_dir, name = tiny_model_dir(), "tiny"
         else:
             say("[1/5] using your model folder")
             model_dir, name = model.resolve(), model.resolve().name
         say(f"      model at {model_dir}, served as {name!r}")
 
-        say(f"[2/5] starting the engine server ({engine}); logs in {logs}")
-        ready = work / "engine.addr"
-        procs.start("engine", engine_argv(engine, model_dir, name, ready), {})
-        wait_for(
-            lambda: ready.exists() and ready.read_text().strip(), "engine server address", procs, 60
+        say(f"[2/5] starting the engine server ({engine}); logs in {group.log_dir}")
+        _, address = group.engine_server(
+            "engine", *engine_args(engine, model_dir, name), backend=engine
         )
-        address = ready.read_text().strip()
         say(f"      listening on {address}")
 
         say("[3/5] starting the bridge (waits for the engine to be ready)")
-        procs.start(
-            "bridge",
-            [
-                sys.executable,
-                "-m",
-                "bridge",
-                "--engine",
-                address,
-                "--model-path",
-                str(model_dir),
-                "--served-model-name",
-                name,
-                "--namespace",
-                NAMESPACE,
-            ],
-            env,
-        )
+        group.bridge("bridge", address, model_dir, name, NAMESPACE, env)
 
-        port = free_port()
-        base_url = f"http://127.0.0.1:{port}"
+        _, base_url = group.frontend("frontend", env)
         say(f"[4/5] starting the Dynamo frontend on {base_url}")
-        procs.start(
-            "frontend",
-            [
-                sys.executable,
-                "-m",
-                "dynamo.frontend",
-                "--http-host",
-                "127.0.0.1",
-                "--http-port",
-                str(port),
-            ],
-            env,
-        )
-        wait_for(
-            lambda: model_listed(base_url, name),
-            f"model {name!r} at the frontend",
-            procs,
+        wait_until(
+            lambda: name in served_models(base_url),
             600 if engine == "vllm" else 120,
+            f"model {name!r} at the frontend",
+            group.procs,
         )
         say("      model registered")
 
@@ -283,11 +161,11 @@ def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
         return 1
     finally:
         with contextlib.suppress(KeyboardInterrupt):
-            procs.stop_all()
+            stop_all(group)
         if ok and not keep_logs:
             shutil.rmtree(work, ignore_errors=True)
         else:
-            say(f"logs kept in {logs}")
+            say(f"logs kept in {group.log_dir}")
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:

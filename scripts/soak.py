@@ -40,23 +40,16 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from procs import (  # noqa: E402
-    Proc,
-    ProcessGroup,
-    blocking_env,
-    dynamo_env,
-    registered_workers,
-    rss_bytes,
-    tiny_model_dir,
-    wait_for_model,
-    wait_until,
-)
 
 from bridge import driver  # noqa: E402
 from engine_contract.v1 import engine_pb2 as pb  # noqa: E402
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
+from harness import ARTIFACTS  # noqa: E402
+from harness.engine import idle, wait_load_async  # noqa: E402
+from harness.procs import Proc, ProcessGroup, rss_bytes  # noqa: E402
+from harness.stack import Stack  # noqa: E402
+from harness.tiny_model import tiny_model_dir  # noqa: E402
+from harness.waits import WaitTimeout  # noqa: E402
 
 MODEL = "tiny-soak"
 NAMESPACE = "soak"
@@ -212,13 +205,10 @@ async def final_loads(addresses: list[str], settle_s: float) -> list[dict[str, i
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
-            deadline = time.monotonic() + settle_s
-            while True:
-                load = await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
-                busy = load.running_requests + load.waiting_requests + load.registered_requests
-                if busy == 0 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
+            try:
+                load = await wait_load_async(stub, idle, settle_s, interval=0.1)
+            except WaitTimeout as e:
+                load = e.last  # the leak, reported below
             loads.append(
                 {
                     "running": load.running_requests,
@@ -230,37 +220,18 @@ async def final_loads(addresses: list[str], settle_s: float) -> list[dict[str, i
 
 
 async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    model_dir = tiny_model_dir()
-    env = dynamo_env(root / "kv")
-    bridge_env = {**env, **blocking_env("vllm", "torch")}
     with ProcessGroup(root / "logs") as group:
+        stack = Stack.new(root, group, tiny_model_dir(), MODEL, NAMESPACE)
         addresses: list[str] = []
         watched: dict[str, Proc] = {}
         for i in range(args.engines):
-            engine, address = group.engine_server(
-                f"engine-{i}",
-                "--model",
-                str(model_dir),
-                "--served-model-name",
-                MODEL,
-                "--seed",
-                str(i),
-                *SIM_ARGS,
-            )
-            bridge = group.bridge(f"bridge-{i}", address, model_dir, MODEL, NAMESPACE, bridge_env)
+            engine, address = stack.start_engine(f"engine-{i}", "--seed", str(i), *SIM_ARGS)
             addresses.append(address)
             watched[f"engine-{i}"] = engine
-            watched[f"bridge-{i}"] = bridge
-        frontend, base = group.frontend("frontend", env, "--router-mode", "kv")
-        procs = [*watched.values(), frontend]
-        wait_until(
-            lambda: registered_workers(root / "kv", NAMESPACE) == args.engines,
-            90,
-            "workers registered",
-            procs,
-        )
-        wait_for_model(base, MODEL, procs, 90)
-        watched["frontend"] = frontend
+            watched[f"bridge-{i}"] = stack.start_bridge(f"bridge-{i}", address)
+        watched["frontend"] = stack.start_frontend("--router-mode", "kv")
+        stack.wait_serving(workers=args.engines, timeout=90)
+        base = stack.base_url
 
         channels = [grpc.aio.insecure_channel(a) for a in addresses]
         stubs = [pb_grpc.EngineServiceStub(c) for c in channels]
@@ -324,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-fraction", type=float, default=0.3)
     parser.add_argument("--window-fraction", type=float, default=0.2)
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
-    parser.add_argument("--out", type=Path, default=ROOT / ".artifacts" / "soak.json")
+    parser.add_argument("--out", type=Path, default=ARTIFACTS / "soak.json")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
     if args.warmup_fraction + 2 * args.window_fraction > 1:

@@ -1,17 +1,21 @@
-"""Fakes for the bridge's unit tests: a scriptable in-process engine server and a
-KV publisher that records what it is given."""
+"""Fakes for the bridge's unit tests: a scriptable in-process engine server, a
+KV publisher that records what it is given, and a Dynamo frontend that answers
+what a test tells it to."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import engine_contract
+from bridge import codec
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.errors import ServerError
@@ -210,3 +214,26 @@ class RecordingPublisher:
             else:
                 live.difference_update(kwargs["block_hashes"])
         return live
+
+
+def frontend_body(resp: pb.RolloutResponse) -> dict[str, Any]:
+    """What the frontend answers: the chunk's engine_data as nvext.engine_data, via JSON."""
+    chunk = codec.rollout_chunk(resp)
+    body = {
+        "id": "cmpl-1",
+        "choices": [{"index": 0, "text": "", "finish_reason": chunk["finish_reason"]}],
+        "usage": chunk["completion_usage"],
+        "nvext": {"engine_data": chunk["engine_data"], "worker_id": {"decode_worker_id": 7}},
+    }
+    return json.loads(json.dumps(body, allow_nan=False))
+
+
+async def fake_frontend(handler: Any) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from procs import ROOT, blocking_env
+from harness import ROOT
+from harness.env import blocking_env
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

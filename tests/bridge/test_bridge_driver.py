@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import struct
 import subprocess
@@ -15,6 +14,7 @@ from aiohttp import web
 
 from bridge import codec, driver, wire
 from engine_contract.v1 import engine_pb2 as pb
+from tests.bridge.bridge_fakes import fake_frontend, frontend_body
 
 PB_DTYPES = {
     "uint8": pb.TENSOR_DTYPE_UINT8,
@@ -24,18 +24,6 @@ PB_DTYPES = {
     "int32": pb.TENSOR_DTYPE_INT32,
     "int64": pb.TENSOR_DTYPE_INT64,
 }
-
-
-def frontend_body(resp: pb.RolloutResponse) -> dict[str, Any]:
-    """What the frontend answers: the chunk's engine_data as nvext.engine_data, via JSON."""
-    chunk = codec.rollout_chunk(resp)
-    body = {
-        "id": "cmpl-1",
-        "choices": [{"index": 0, "text": "", "finish_reason": chunk["finish_reason"]}],
-        "usage": chunk["completion_usage"],
-        "nvext": {"engine_data": chunk["engine_data"], "worker_id": {"decode_worker_id": 7}},
-    }
-    return json.loads(json.dumps(body, allow_nan=False))
 
 
 def random_doubles(n: int, seed: int = 0) -> list[float]:
@@ -157,17 +145,6 @@ def test_request_body() -> None:
     spec = codec.parse_request_kind(body["nvext"]["annotations"])
     assert spec == codec.RolloutSpec(greedy=True, stop_strings=("\n",), request_id="r1")
     assert "max_tokens" not in driver.build_rollout_body("m", [1])
-
-
-async def fake_frontend(handler: Any) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
 
 
 async def test_client_round_trip_and_http_errors() -> None:

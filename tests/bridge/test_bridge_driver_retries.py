@@ -10,10 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from test_bridge_driver import fake_frontend, frontend_body
 
 from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
+from tests.bridge.bridge_fakes import fake_frontend, frontend_body
 
 FAST = driver.RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02)
 

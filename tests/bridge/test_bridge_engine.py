@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import pytest
-from bridge_fakes import FakeEngine, FakeServer
 from dynamo._core import Context
 from dynamo.common.backend.health_check import is_probe
 from dynamo.common.backend.publisher import PushSource
@@ -19,6 +18,7 @@ import engine_contract
 from bridge.client import EngineNotReadyError, IncompatibleServerError
 from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
+from tests.bridge.bridge_fakes import FakeEngine, FakeServer
 
 
 def bridge_for(address: str, timeout: float = 5.0) -> BridgeEngine:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from bridge_fakes import FakeServer, RecordingPublisher
-
 from bridge.client import EngineClient
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView, Verdict, to_signed
 from engine_contract.v1 import engine_pb2 as pb
+from tests.bridge.bridge_fakes import FakeServer, RecordingPublisher
 
 BS = 2
 BIG = 2**64 - 5  # an engine hash above 2^63

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from bridge_fakes import FakeEngine, FakeServer
 from dynamo._core import Context
 
 import engine_contract
@@ -16,6 +15,7 @@ from bridge.client import EngineClient, IncompatibleServerError
 from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
 from engine_contract.v1 import engine_pb2 as pb
+from tests.bridge.bridge_fakes import FakeEngine, FakeServer
 
 
 def rollout(request_id: str, *prompt: int) -> pb.RolloutRequest:

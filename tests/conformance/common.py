@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -59,20 +57,3 @@ def long_generate(
     request.stop.max_tokens = min(max_tokens, room)
     request.stop.ignore_eos = True
     return request
-
-
-async def wait_load(
-    stub: pb_grpc.EngineServiceStub, predicate, timeout: float = 5.0
-) -> pb.GetLoadResponse:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        load = await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
-        if predicate(load) or time.monotonic() > deadline:
-            return load
-        await asyncio.sleep(0.02)
-
-
-def idle(load: pb.GetLoadResponse) -> bool:
-    return (
-        load.running_requests == 0 and load.waiting_requests == 0 and load.registered_requests == 0
-    )

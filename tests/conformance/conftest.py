@@ -1,25 +1,25 @@
 """The conformance suite's engine servers.
 
 Without ``--engine-address`` every test runs against the simulated engine
-served in-process and served by the CLI as a subprocess (and, in
-tests/vllm, against the vLLM engine server). With it, against that address
+served in-process and served by the CLI as a subprocess (and, where vLLM is
+installed, against the vLLM engine server). With it, against that address
 only: ``make conformance ADDR=HOST:PORT``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
-from procs import tiny_model_dir
-from servers import InProcessServer, ServerProcess, sim_cli_args
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.engine import InProcessServer, sim_cli_args, tiny_vllm_args
+from harness.env import importable
+from harness.procs import ProcessGroup
 
 # Sim settings shared by both sim servers: a decode pace slow enough that
 # cancellation and abort tests catch requests mid-way, and a small message
@@ -35,21 +35,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             kinds = ["external"]
         else:
             kinds = ["inproc-sim", "cli-sim"]
-            if importlib.util.find_spec("vllm") is not None:
+            if importable("vllm"):
                 kinds.append(pytest.param("cli-vllm", marks=pytest.mark.vllm))
         metafunc.parametrize("engine_address", kinds, indirect=True, scope="session")
 
 
-def _start_inproc_sim(model: Path) -> InProcessServer:
-    from engine_server.backends.sim import SimBackend
-    from engine_server.cli import build_parser, config_from_args
-
-    args = build_parser("sim").parse_args(_sim_args(model))
-    return InProcessServer(SimBackend.from_cli_args(args), config_from_args(args)).start()
-
-
 def _sim_args(model: Path) -> list[str]:
-    return sim_cli_args(
+    return [
         "--model",
         str(model),
         "--decode-step-ms",
@@ -60,27 +52,17 @@ def _sim_args(model: Path) -> list[str]:
         "64",
         "--routed-experts",
         "4,2,8",
-    )
+    ]
 
 
 def _vllm_args(model: Path) -> list[str]:
     """The tiny model on vLLM's CPU build (or GPU build): small, fp32, eager."""
     return [
-        "--backend",
-        "vllm",
-        "--listen",
-        "127.0.0.1:0",
         "--model",
         str(model),
-        "--max-model-len",
-        "512",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
+        *tiny_vllm_args(max_model_len=512),
         "--block-size",
         "32",
-        "--kv-cache-memory-bytes",
-        str(64 << 20),
         "--max-message-bytes",
         str(MAX_MESSAGE_BYTES),
         "--max-new-tokens",
@@ -96,20 +78,20 @@ def engine_address(
     if kind == "external":
         yield request.config.getoption("--engine-address")
         return
-    model = tiny_model_dir()
+    model = request.getfixturevalue("model_dir")
     if kind == "inproc-sim":
-        server = _start_inproc_sim(model)
+        server = InProcessServer.from_cli(*sim_cli_args(*_sim_args(model))).start()
         try:
             yield server.address
         finally:
             server.stop()
         return
-    args = _vllm_args(model) if kind == "cli-vllm" else _sim_args(model)
-    proc = ServerProcess(args, tmp_path_factory.mktemp(kind) / "server.log")
-    try:
-        yield proc.wait_ready(timeout=180)
-    finally:
-        assert proc.terminate() == 0, proc.log_text()
+    backend = "vllm" if kind == "cli-vllm" else "sim"
+    args = _vllm_args(model) if backend == "vllm" else _sim_args(model)
+    with ProcessGroup(tmp_path_factory.mktemp(kind)) as group:
+        proc, address = group.engine_server("server", *args, backend=backend, timeout=180)
+        yield address
+        assert proc.stop(timeout=30) == 0, proc.log_tail()
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,10 @@ import textwrap
 
 import grpc
 import pytest
-from common import idle, long_generate, make_prompt, new_id, wait_load
 
 from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import idle, wait_load_async
+from tests.conformance.common import long_generate, make_prompt, new_id
 
 
 async def start_stream(stub, request: pb.GenerateRequest):  # type: ignore[no-untyped-def]
@@ -37,8 +38,7 @@ async def test_abort_ends_stream_with_aborted_and_is_idempotent(stub, server_inf
     assert answer.outcome == pb.ABORT_OUTCOME_ABORTED and answer.aborted_count == 1
     rest = await drain(call)
     assert rest[-1].finished.finish_reason == pb.FINISH_REASON_ABORTED
-    await wait_load(stub, idle, timeout=1.0)
-    assert idle(await stub.GetLoad(pb.GetLoadRequest()))
+    await wait_load_async(stub, idle, 1.0, "engine idle after abort")
     again = await stub.Abort(pb.AbortRequest(request_id=request_id))
     assert again.outcome == pb.ABORT_OUTCOME_ALREADY_FINISHED and again.aborted_count == 0
     unknown = await stub.Abort(pb.AbortRequest(request_id=new_id("never")))
@@ -76,7 +76,7 @@ async def test_abort_rollout_returns_partial_prefix(stub, server_info) -> None: 
             )
         )
     )
-    await wait_load(stub, lambda load: load.running_requests >= 1)
+    await wait_load_async(stub, lambda load: load.running_requests >= 1)
     await asyncio.sleep(0.05)
     answer = await stub.Abort(pb.AbortRequest(request_id=request_id))
     result = await pending
@@ -96,7 +96,7 @@ async def test_abort_all(stub, server_info) -> None:  # type: ignore[no-untyped-
     assert answer.outcome == pb.ABORT_OUTCOME_ABORTED and answer.aborted_count >= 4
     for call in calls:
         assert (await drain(call))[-1].finished.finish_reason == pb.FINISH_REASON_ABORTED
-    assert idle(await wait_load(stub, idle, timeout=1.0))
+    await wait_load_async(stub, idle, 1.0, "engine idle")
 
 
 async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) -> None:  # type: ignore[no-untyped-def]
@@ -115,13 +115,12 @@ async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) ->
         )
         for i in range(8)
     ]
-    await wait_load(stub, lambda load: load.registered_requests >= 16)
+    await wait_load_async(stub, lambda load: load.registered_requests >= 16)
     for call in calls:
         call.cancel()
     for pending in rollouts:
         pending.cancel()
-    load = await wait_load(stub, idle, timeout=1.0)
-    assert idle(load), f"engine still holds requests 1 s after cancel: {load}"
+    await wait_load_async(stub, idle, 1.0, "engine idle 1 s after cancel")
 
 
 async def test_duplicate_active_request_id_is_refused_then_reusable(stub, server_info) -> None:  # type: ignore[no-untyped-def]
@@ -182,7 +181,6 @@ async def test_client_process_killed_aborts_its_requests(stub, server_info, engi
         assert load.registered_requests >= 4
         client.send_signal(signal.SIGKILL)
         client.wait(10)
-        load = await wait_load(stub, idle, timeout=2.0)
-        assert idle(load), f"requests of a dead client still running: {load}"
+        await wait_load_async(stub, idle, 2.0, "requests of a dead client ended")
     finally:
         client.kill()

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from common import collect, make_prompt, new_id
 
 from engine_contract.v1 import engine_pb2 as pb
+from tests.conformance.common import collect, make_prompt, new_id
 
 Info = pb.GetServerInfoResponse
 

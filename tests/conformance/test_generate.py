@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from common import collect, make_prompt, new_id
-
 from engine_contract.v1 import engine_pb2 as pb
+from tests.conformance.common import collect, make_prompt, new_id
 
 
 def greedy(

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 import pytest
-from common import make_prompt, new_id
 
 from engine_contract.v1 import engine_pb2 as pb
+from tests.conformance.common import make_prompt, new_id
 
 
 class Subscriber:

@@ -6,9 +6,10 @@ import asyncio
 
 import grpc
 import pytest
-from common import collect, make_prompt, new_id, wait_load
 
 from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import wait_load_async
+from tests.conformance.common import collect, make_prompt, new_id
 
 DTYPE_SIZES = {
     pb.TENSOR_DTYPE_UINT8: 1,
@@ -196,4 +197,4 @@ async def test_concurrent_rollouts_all_complete(stub, server_info) -> None:  # t
     answers = await asyncio.gather(*(stub.Rollout(r) for r in requests))
     for request, answer in zip(requests, answers, strict=True):
         check_consistent(request, answer, server_info)
-    await wait_load(stub, lambda load: load.registered_requests == 0)
+    await wait_load_async(stub, lambda load: load.registered_requests == 0)

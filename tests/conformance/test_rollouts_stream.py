@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from common import idle, long_generate, make_prompt, new_id, wait_load
 
 from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import idle, wait_load_async
+from tests.conformance.common import long_generate, make_prompt, new_id
 
 
 def greedy(
@@ -130,14 +131,13 @@ async def test_cancel_aborts_the_engine_request(stub, server_info) -> None:  # t
             ]
         )
     )
-    await wait_load(stub, lambda load: load.registered_requests >= 3)
+    await wait_load_async(stub, lambda load: load.registered_requests >= 3)
     await call.write(pb.RolloutsRequest(cancel=[10, 11, 12, 999]))
     results = await read_results(call, 3)
     for tag in (10, 11, 12):
         if results[tag].WhichOneof("outcome") == "error":
             assert error_of(results[tag])[0] == grpc.StatusCode.CANCELLED
-    load = await wait_load(stub, idle, timeout=1.0)
-    assert idle(load), f"engine still holds requests 1 s after cancel: {load}"
+    await wait_load_async(stub, idle, 1.0, "engine idle 1 s after cancel")
     # Still usable after cancels.
     await call.write(
         pb.RolloutsRequest(start=[pb.RolloutStart(tag=10, rollout=greedy(server_info, 1))])
@@ -156,10 +156,9 @@ async def test_ending_the_stream_aborts_its_rollouts(stub, server_info) -> None:
             ]
         )
     )
-    await wait_load(stub, lambda load: load.registered_requests >= 6)
+    await wait_load_async(stub, lambda load: load.registered_requests >= 6)
     call.cancel()
-    load = await wait_load(stub, idle, timeout=1.0)
-    assert idle(load), f"engine still holds requests 1 s after the stream ended: {load}"
+    await wait_load_async(stub, idle, 1.0, "engine idle 1 s after the stream ended")
 
 
 async def test_half_close_lets_running_rollouts_finish(stub, server_info) -> None:  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end tests: the tiny model, and one shared stack per session."""
+"""Fixtures of the end-to-end tests: one shared stack per session."""
 
 from __future__ import annotations
 
@@ -6,13 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_stack import Stack, start_stack
-from procs import ProcessGroup, tiny_model_dir
 
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    return tiny_model_dir()
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+from tests.e2e.e2e_stack import start_stack
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,18 @@
-"""The shared end-to-end stack: simulated engine servers, bridges (with vllm and
-torch unimportable) and one Dynamo frontend, all subprocesses on loopback."""
+"""The shared end-to-end stack (two models, each on its own simulated engine server
+and bridge, behind one Dynamo frontend) and the checks that compare what comes
+through it with what the engine server answers directly."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
 from pathlib import Path
+from typing import Any
 
-import grpc
-from procs import ProcessGroup, blocking_env, dynamo_env, wait_for_model
-
-from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from bridge import driver
+from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import long_sim_args
+from harness.procs import ProcessGroup
+from harness.stack import Stack
 
 MODEL = "tiny"
 # A second model on its own engine server whose EOS is never the likeliest token,
@@ -29,42 +32,71 @@ SIM_ARGS = (
     "--max-new-tokens",
     "48",
 )
-LONG_SIM_ARGS = ("--eos-rate", "0", "--decode-step-ms", "2")
-
-
-@dataclass
-class Stack:
-    base_url: str
-    engines: dict[str, str]  # served model name -> engine server address
-    model_dir: Path
-    group: ProcessGroup
-    model: str = MODEL
-
-    @property
-    def engine_address(self) -> str:
-        return self.engines[self.model]
-
-    def engine_stub(self, model: str = MODEL) -> tuple[grpc.Channel, pb_grpc.EngineServiceStub]:
-        channel = grpc.insecure_channel(self.engines[model])
-        return channel, pb_grpc.EngineServiceStub(channel)
+LONG_SIM_ARGS = long_sim_args(decode_step_ms=2)
 
 
 def start_stack(root: Path, model_dir: Path, group: ProcessGroup) -> Stack:
     """Two models, each on its own sim engine server and bridge, behind one frontend."""
-    env = dynamo_env(root / "kv")
-    bridge_env = {**env, **blocking_env("vllm", "torch")}
-    engines: dict[str, str] = {}
-    procs = []
+    stack = Stack.new(root, group, model_dir, MODEL)
     for model, args in ((MODEL, SIM_ARGS), (LONG_MODEL, LONG_SIM_ARGS)):
-        engine, address = group.engine_server(
-            f"engine-{model}", "--model", str(model_dir), "--served-model-name", model, *args
+        _, address = stack.start_engine(f"engine-{model}", *args, model=model)
+        stack.start_bridge(
+            f"bridge-{model}", address, *BRIDGE_ARGS, model=model, namespace=f"ns-{model}"
         )
-        bridge = group.bridge(
-            f"bridge-{model}", address, model_dir, model, f"ns-{model}", bridge_env, *BRIDGE_ARGS
+    stack.start_frontend()
+    stack.wait_models([MODEL, LONG_MODEL], timeout=60)
+    return stack
+
+
+def direct_rollout(
+    stack: Stack,
+    prompt: list[int],
+    *,
+    greedy: bool,
+    request_id: str,
+    stop_strings: tuple[str, ...] = (),
+    max_new_tokens: int | None = None,
+) -> pb.RolloutResponse:
+    """The same rollout asked of the engine server itself."""
+    channel, stub = stack.engine_stub()
+    with channel:
+        request = pb.RolloutRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            greedy=greedy,
+            stop_strings=list(stop_strings),
         )
-        engines[model] = address
-        procs += [engine, bridge]
-    frontend, base_url = group.frontend("frontend", env)
-    for model in engines:
-        wait_for_model(base_url, model, [*procs, frontend])
-    return Stack(base_url, engines, model_dir, group)
+        if max_new_tokens is not None:
+            request.max_new_tokens = max_new_tokens
+        return stub.Rollout(request, timeout=30)
+
+
+async def bridged_rollout(stack: Stack, prompt: list[int], **kwargs: Any) -> driver.RolloutResult:
+    async with driver.RolloutClient(stack.base_url, stack.model, timeout_s=60) as client:
+        return await client.rollout(prompt, **kwargs)
+
+
+def assert_same(result: driver.RolloutResult, direct: pb.RolloutResponse) -> None:
+    """Field by field; logprobs compared bit for bit."""
+    assert result.token_ids == list(direct.token_ids)
+    assert [struct.pack("<d", x) for x in result.logprobs] == [
+        struct.pack("<d", x) for x in direct.logprobs
+    ]
+    assert result.truncated == direct.truncated
+    assert result.finish_reason == pb.FinishReason.Name(direct.finish_reason).split("_")[-1].lower()
+    which = direct.matched_stop.WhichOneof("match")
+    assert result.stop_reason == (getattr(direct.matched_stop, which) if which else None)
+    assert result.usage["completion_tokens"] == direct.usage.completion_tokens
+    if direct.HasField("routed_experts"):
+        assert result.routed_experts is not None
+        assert result.routed_experts.data == direct.routed_experts.data
+        assert list(result.routed_experts.shape) == list(direct.routed_experts.shape)
+        assert (
+            result.routed_experts.dtype
+            == pb.TensorDtype.Name(direct.routed_experts.dtype)
+            .removeprefix("TENSOR_DTYPE_")
+            .lower()
+        )
+        assert result.r3_stats == {k: getattr(direct.r3_stats, k) for k in result.r3_stats or {}}
+    else:
+        assert result.routed_experts is None

@@ -3,73 +3,21 @@
 from __future__ import annotations
 
 import json
-import struct
 import time
 from typing import Any
 
 import pytest
-from e2e_stack import LONG_MODEL, Stack
-from procs import http_json, open_sse_stream, wait_until
 from tokenizers import Tokenizer
 
 from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import load
+from harness.http import http_json, open_sse_stream
+from harness.stack import Stack
+from harness.waits import wait_until
+from tests.e2e.e2e_stack import LONG_MODEL, assert_same, bridged_rollout, direct_rollout
 
 pytestmark = pytest.mark.dynamo
-
-
-def direct_rollout(
-    stack: Stack,
-    prompt: list[int],
-    *,
-    greedy: bool,
-    request_id: str,
-    stop_strings: tuple[str, ...] = (),
-    max_new_tokens: int | None = None,
-) -> pb.RolloutResponse:
-    """The same rollout asked of the engine server itself."""
-    channel, stub = stack.engine_stub()
-    with channel:
-        request = pb.RolloutRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            greedy=greedy,
-            stop_strings=list(stop_strings),
-        )
-        if max_new_tokens is not None:
-            request.max_new_tokens = max_new_tokens
-        return stub.Rollout(request, timeout=30)
-
-
-async def bridged_rollout(stack: Stack, prompt: list[int], **kwargs: Any) -> driver.RolloutResult:
-    async with driver.RolloutClient(stack.base_url, stack.model, timeout_s=60) as client:
-        return await client.rollout(prompt, **kwargs)
-
-
-def assert_same(result: driver.RolloutResult, direct: pb.RolloutResponse) -> None:
-    """Field by field; logprobs compared bit for bit."""
-    assert result.token_ids == list(direct.token_ids)
-    assert [struct.pack("<d", x) for x in result.logprobs] == [
-        struct.pack("<d", x) for x in direct.logprobs
-    ]
-    assert result.truncated == direct.truncated
-    assert result.finish_reason == pb.FinishReason.Name(direct.finish_reason).split("_")[-1].lower()
-    which = direct.matched_stop.WhichOneof("match")
-    assert result.stop_reason == (getattr(direct.matched_stop, which) if which else None)
-    assert result.usage["completion_tokens"] == direct.usage.completion_tokens
-    if direct.HasField("routed_experts"):
-        assert result.routed_experts is not None
-        assert result.routed_experts.data == direct.routed_experts.data
-        assert list(result.routed_experts.shape) == list(direct.routed_experts.shape)
-        assert (
-            result.routed_experts.dtype
-            == pb.TensorDtype.Name(direct.routed_experts.dtype)
-            .removeprefix("TENSOR_DTYPE_")
-            .lower()
-        )
-        assert result.r3_stats == {k: getattr(direct.r3_stats, k) for k in result.r3_stats or {}}
-    else:
-        assert result.routed_experts is None
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -243,10 +191,8 @@ def test_chat(stack: Stack) -> None:
 
 
 def engine_running(stack: Stack, model: str) -> int:
-    channel, stub = stack.engine_stub(model)
-    with channel:
-        load = stub.GetLoad(pb.GetLoadRequest(), timeout=5)
-    return load.running_requests + load.waiting_requests + load.registered_requests
+    now = load(stack.address(model))
+    return now.running_requests + now.waiting_requests + now.registered_requests
 
 
 def bridge_aborts(stack: Stack) -> int:

@@ -9,7 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from procs import ProcessGroup, blocking_env, dynamo_env, free_port
+
+from harness.env import blocking_env, dynamo_env
+from harness.ports import free_port
+from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.dynamo
 

@@ -4,63 +4,43 @@ prompt past the context."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_stack import Stack
-from procs import ROOT, ProcessGroup, blocking_env, dynamo_env, http_json, wait_for_model
-from test_e2e_bridge import assert_same, direct_rollout
 
 from bridge import driver
 from bridge.batch import generate_batch
 from engine_contract.v1 import engine_pb2 as pb
+from harness.env import dynamo_env
+from harness.http import http_json
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+from harness.tiny_model import tiny_model_dir
+from tests.e2e.e2e_stack import assert_same, direct_rollout
 
 pytestmark = pytest.mark.dynamo
 
 BASE = "base"
 
 
-@dataclass
-class BaseStack:
-    base_url: str
-    group: ProcessGroup
-    model_dir: Path
+@pytest.fixture(scope="module")
+def base_model_dir() -> Path:
+    return tiny_model_dir("base")
 
 
 @pytest.fixture(scope="module")
-def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from build_tiny_model import build_tiny_model
-
-    return build_tiny_model(ROOT / ".artifacts" / "tiny-base-model", chat_template=False)
-
-
-@pytest.fixture(scope="module")
-def base_stack(
-    tmp_path_factory: pytest.TempPathFactory, base_model_dir: Path
-) -> Iterator[BaseStack]:
+def base_stack(tmp_path_factory: pytest.TempPathFactory, base_model_dir: Path) -> Iterator[Stack]:
     """The bridge started as the README says, with no endpoint-type flag."""
     root = tmp_path_factory.mktemp("base-stack")
-    env = dynamo_env(root / "kv")
     with ProcessGroup(root / "logs") as group:
-        engine, address = group.engine_server(
-            "engine", "--model", str(base_model_dir), "--served-model-name", BASE
-        )
-        bridge = group.bridge(
-            "bridge",
-            address,
-            base_model_dir,
-            BASE,
-            "ns-base",
-            {**env, **blocking_env("vllm", "torch")},
-        )
-        frontend, base_url = group.frontend("frontend", env)
-        wait_for_model(base_url, BASE, [engine, bridge, frontend])
-        yield BaseStack(base_url, group, base_model_dir)
+        stack = Stack.new(root, group, base_model_dir, BASE)
+        _, address = stack.start_engine("engine")
+        stack.start_bridge("bridge", address, namespace="ns-base")
+        stack.start_frontend()
+        stack.wait_models([BASE], timeout=60)
+        yield stack
 
 
 def test_the_model_has_no_chat_template(base_model_dir: Path) -> None:
@@ -68,7 +48,7 @@ def test_the_model_has_no_chat_template(base_model_dir: Path) -> None:
     assert "chat_template" not in (base_model_dir / "tokenizer_config.json").read_text()
 
 
-async def test_base_checkpoint_serves_rollouts_and_completions(base_stack: BaseStack) -> None:
+async def test_base_checkpoint_serves_rollouts_and_completions(base_stack: Stack) -> None:
     async with driver.RolloutClient(base_stack.base_url, BASE, timeout_s=30) as client:
         result = await client.rollout([5, 6, 7], greedy=True, max_tokens=6)
     assert 1 <= len(result.token_ids) <= 6 and len(result.logprobs) == len(result.token_ids)
@@ -79,7 +59,7 @@ async def test_base_checkpoint_serves_rollouts_and_completions(base_stack: BaseS
     assert status == 200 and body["choices"][0]["text"], body
 
 
-def test_chat_is_not_registered_and_the_bridge_says_why(base_stack: BaseStack) -> None:
+def test_chat_is_not_registered_and_the_bridge_says_why(base_stack: Stack) -> None:
     status, _ = http_json(
         f"{base_stack.base_url}/v1/chat/completions",
         {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
@@ -89,9 +69,7 @@ def test_chat_is_not_registered_and_the_bridge_says_why(base_stack: BaseStack) -
     assert "registering endpoint types completions: the model has no chat template" in log
 
 
-def test_asking_for_chat_without_a_template_is_refused(
-    base_stack: BaseStack, tmp_path: Path
-) -> None:
+def test_asking_for_chat_without_a_template_is_refused(base_stack: Stack, tmp_path: Path) -> None:
     bridge = base_stack.group.bridge(
         "bridge-chat",
         "127.0.0.1:1",

@@ -6,19 +6,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import (
-    ProcessGroup,
-    blocking_env,
-    dynamo_env,
-    http_json,
-    registered_workers,
-    wait_for_model,
-    wait_until,
-)
+
+from harness.http import http_json
+from harness.procs import ProcessGroup
+from harness.stack import Stack
 
 pytestmark = pytest.mark.dynamo
 
@@ -27,26 +21,14 @@ NAMESPACE = "kvroute"
 BLOCK = 16
 
 
-@dataclass
-class KvStack:
-    base_url: str
-    group: ProcessGroup
-
-
 @pytest.fixture(scope="module")
-def kv_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[KvStack]:
+def kv_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("kv-stack")
-    kv_dir = root / "kv"
-    env = dynamo_env(kv_dir)
     with ProcessGroup(root / "logs") as group:
-        procs = []
+        stack = Stack.new(root, group, model_dir, MODEL, NAMESPACE)
         for i in range(2):
-            engine, address = group.engine_server(
+            _, address = stack.start_engine(
                 f"engine-{i}",
-                "--model",
-                str(model_dir),
-                "--served-model-name",
-                MODEL,
                 "--block-size",
                 str(BLOCK),
                 "--eos-rate",
@@ -56,25 +38,13 @@ def kv_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Itera
                 "--seed",
                 str(i),
             )
-            bridge = group.bridge(
-                f"bridge-{i}",
-                address,
-                model_dir,
-                MODEL,
-                NAMESPACE,
-                {**env, **blocking_env("vllm", "torch")},
-            )
-            procs += [engine, bridge]
-        frontend, base_url = group.frontend(
-            "frontend", env, "--router-mode", "kv", "--router-temperature", "0"
-        )
-        procs.append(frontend)
-        wait_until(lambda: registered_workers(kv_dir, NAMESPACE) == 2, 60, "two workers", procs)
-        wait_for_model(base_url, MODEL, procs)
-        yield KvStack(base_url, group)
+            stack.start_bridge(f"bridge-{i}", address)
+        stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
+        stack.wait_serving(workers=2, timeout=60)
+        yield stack
 
 
-def worker_of(stack: KvStack, prompt: list[int]) -> int:
+def worker_of(stack: Stack, prompt: list[int]) -> int:
     status, body = http_json(
         f"{stack.base_url}/v1/completions",
         {
@@ -88,7 +58,7 @@ def worker_of(stack: KvStack, prompt: list[int]) -> int:
     return int(body["nvext"]["worker_id"]["decode_worker_id"])
 
 
-def test_repeated_prefixes_go_to_the_worker_that_holds_them(kv_stack: KvStack) -> None:
+def test_repeated_prefixes_go_to_the_worker_that_holds_them(kv_stack: Stack) -> None:
     prefixes = [[(p * 97 + i * 7) % 900 + 3 for i in range(6 * BLOCK)] for p in range(8)]
     first = {p: worker_of(kv_stack, [*prefixes[p], 1000 - p]) for p in range(len(prefixes))}
     # Both workers got some of the new prefixes (so affinity below is not trivial).

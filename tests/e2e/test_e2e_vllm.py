@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 import time
 from collections.abc import Iterator
@@ -10,40 +9,26 @@ from pathlib import Path
 
 import grpc
 import pytest
-from procs import (
-    Proc,
-    ProcessGroup,
-    blocking_env,
-    dynamo_env,
-    http_json,
-    open_sse_stream,
-    wait_for_model,
-    wait_until,
-)
 
 from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.engine import load, tiny_vllm_args
+from harness.env import importable
+from harness.http import http_json, open_sse_stream
+from harness.procs import Proc, ProcessGroup
+from harness.stack import Stack
+from harness.waits import wait_until
 
 pytestmark = [
     pytest.mark.dynamo,
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+    pytest.mark.skipif(not importable("vllm"), reason="vLLM not installed"),
 ]
 
 MODEL = "tiny-vllm"
-VLLM_ARGS = (
-    "--max-model-len",
-    "1024",
-    "--enforce-eager",
-    "--dtype",
-    "float32",
-    "--kv-cache-memory-bytes",
-    str(64 << 20),
-    "--max-new-tokens",
-    "24",
-)
+VLLM_ARGS = (*tiny_vllm_args(), "--max-new-tokens", "24")
 
 
 @pytest.fixture(scope="module")
@@ -51,31 +36,13 @@ def vllm_stack(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path
 ) -> Iterator[tuple[str, str, Proc]]:
     root = tmp_path_factory.mktemp("vllm-stack")
-    env = dynamo_env(root / "kv")
     with ProcessGroup(root / "logs") as group:
-        engine, address = group.engine_server(
-            "engine",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            MODEL,
-            *VLLM_ARGS,
-            backend="vllm",
-            timeout=300,
-        )
-        bridge = group.bridge(
-            "bridge",
-            address,
-            model_dir,
-            MODEL,
-            "vllm-e2e",
-            {**env, **blocking_env("vllm", "torch")},
-            "--log-level",
-            "debug",
-        )
-        frontend, base_url = group.frontend("frontend", env)
-        wait_for_model(base_url, MODEL, [engine, bridge, frontend], timeout=300)
-        yield base_url, address, bridge
+        stack = Stack.new(root, group, model_dir, MODEL, "vllm-e2e")
+        _, address = stack.start_engine("engine", *VLLM_ARGS, backend="vllm", timeout=300)
+        bridge = stack.start_bridge("bridge", address, "--log-level", "debug")
+        stack.start_frontend()
+        stack.wait_models([MODEL], timeout=300)
+        yield stack.base_url, address, bridge
 
 
 def direct(address: str, prompt: list[int], request_id: str) -> pb.RolloutResponse:
@@ -132,9 +99,8 @@ def test_client_disconnect_aborts(vllm_stack: tuple[str, str, Proc]) -> None:
     base_url, address, bridge = vllm_stack
 
     def in_engine() -> int:
-        with grpc.insecure_channel(address) as channel:
-            load = pb_grpc.EngineServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
-        return load.running_requests + load.waiting_requests + load.registered_requests
+        now = load(address)
+        return now.running_requests + now.waiting_requests + now.registered_requests
 
     body = {
         "model": MODEL,

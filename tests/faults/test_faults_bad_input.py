@@ -18,10 +18,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from faults_common import LONG_SIM_ARGS, Stack, idle, new_stack, post, wait_load
-from procs import ProcessGroup, http_json
 
 from bridge import driver
+from harness.engine import idle, wait_load
+from harness.http import http_json, post
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+from tests.faults.faults_common import LONG_SIM_ARGS
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -111,7 +114,7 @@ CASES: list[tuple[str, Any, int, tuple[str, ...]]] = [
 def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("bad-input")
     with ProcessGroup(root / "logs") as group:
-        stack = new_stack(root, group, model_dir, MODEL)
+        stack = Stack.new(root, group, model_dir, MODEL)
         _, address = stack.start_engine("engine", *LONG_SIM_ARGS, "--vocab-size", str(VOCAB))
         stack.start_bridge("bridge", address)
         stack.start_frontend()
@@ -154,7 +157,7 @@ async def test_duplicate_request_id_is_refused_while_running(stack: Stack) -> No
     spec = rollout_spec(greedy=True, request_id="dup-1")
     first_body = rollout_body(spec=spec, max_tokens=100)
     url = f"{stack.base_url}/v1/completions"
-    address = stack.engines[0][1]
+    address = stack.engines[0].address
     async with aiohttp.ClientSession() as session:
         first = asyncio.create_task(post(session, url, first_body))
         await asyncio.to_thread(wait_load, address, lambda load: load.running_requests >= 1, 10)
@@ -169,6 +172,6 @@ def test_everything_still_serves(stack: Stack) -> None:
     status, body = http_json(f"{stack.base_url}/v1/completions", rollout_body())
     assert status == 200, body
     assert len(driver.parse_rollout_response(body).token_ids) == 4
-    wait_load(stack.engines[0][1], idle, 5)
+    wait_load(stack.engines[0].address, idle, 5)
     for proc in stack.procs:
         proc.check_alive()

@@ -13,20 +13,20 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from faults_common import (
+
+from harness.engine import idle, snapshot_blocks, wait_load
+from harness.http import post_rollout
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+from harness.waits import wait_until
+from tests.faults.faults_common import (
     KV_PROMPT,
     LONG_SIM_ARGS,
-    idle,
     kv_hit_rate,
-    new_stack,
     prompt,
     record,
-    rollout,
-    snapshot_blocks,
     wait_kv_hit,
-    wait_load,
 )
-from procs import ProcessGroup, wait_until
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ IN_FLIGHT = 64
 
 async def test_bridge_killed_with_requests_in_flight(tmp_path: Path, model_dir: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
         engine, address = stack.start_engine("engine", *LONG_SIM_ARGS)
         bridge = stack.start_bridge("bridge-1", address)
         frontend = stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
@@ -48,14 +48,16 @@ async def test_bridge_killed_with_requests_in_flight(tmp_path: Path, model_dir: 
             await kv_hit_rate(session, base, MODEL)
             await wait_kv_hit(session, base, MODEL, KV_PROMPT)
             tasks = [
-                asyncio.create_task(rollout(session, base, MODEL, prompt(i), max_tokens=1500))
+                asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=1500))
                 for i in range(IN_FLIGHT)
             ]
             await asyncio.to_thread(
                 wait_load, address, lambda load: load.running_requests >= IN_FLIGHT, 60
             )
             bridge.kill()
-            aborted_s = await asyncio.to_thread(wait_load, address, idle, 10)
+            killed = time.monotonic()
+            await asyncio.to_thread(wait_load, address, idle, 10)
+            aborted_s = time.monotonic() - killed
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert all(o.status != 200 for o in outcomes), [o.status for o in outcomes]
             engine.check_alive()

@@ -15,22 +15,23 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from faults_common import (
-    LONG_SIM_ARGS,
-    Outcome,
-    kv_hit_rate,
-    kv_prompt,
-    new_stack,
-    prompt,
-    record,
-    rollout,
-    stream,
-    wait_kv_hit,
-    wait_load,
-)
-from procs import ProcessGroup, free_port, free_system_port, health_env, http_json, wait_until
 
 from bridge import driver
+from harness.engine import wait_load
+from harness.env import health_env
+from harness.http import Outcome, http_json, post_rollout, post_stream
+from harness.ports import free_port, free_system_port
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+from harness.waits import wait_until
+from tests.faults.faults_common import (
+    LONG_SIM_ARGS,
+    kv_hit_rate,
+    kv_prompt,
+    prompt,
+    record,
+    wait_kv_hit,
+)
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ async def test_engine_server_killed_with_requests_in_flight(
     listen = f"127.0.0.1:{free_port()}"
     system_port = free_system_port()
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
         engine, address = stack.start_engine("engine-1", *LONG_SIM_ARGS, listen=listen)
         bridge = stack.start_bridge("bridge", address, **health_env(system_port))
         stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
@@ -67,10 +68,10 @@ async def test_engine_server_killed_with_requests_in_flight(
             assert await wait_kv_hit(session, base, MODEL, old_prompts[-1]) > 0
 
             tasks = [
-                asyncio.create_task(rollout(session, base, MODEL, prompt(i), max_tokens=1500))
+                asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=1500))
                 for i in range(IN_FLIGHT_ROLLOUTS)
             ] + [
-                asyncio.create_task(stream(session, base, MODEL, prompt(100 + i), 1500))
+                asyncio.create_task(post_stream(session, base, MODEL, prompt(100 + i), 1500))
                 for i in range(IN_FLIGHT_STREAMS)
             ]
             total = IN_FLIGHT_ROLLOUTS + IN_FLIGHT_STREAMS
@@ -95,7 +96,7 @@ async def test_engine_server_killed_with_requests_in_flight(
 
             # While the engine is down: new requests fail fast, /health turns notready.
             started = time.monotonic()
-            down = await rollout(session, base, MODEL, prompt(7), max_tokens=4)
+            down = await post_rollout(session, base, MODEL, prompt(7), max_tokens=4)
             fail_fast = time.monotonic() - started
             assert 500 <= down.status < 600, (down.status, down.body)
             assert fail_fast < 2.0
@@ -109,7 +110,7 @@ async def test_engine_server_killed_with_requests_in_flight(
             ready_at = (group.log_dir / "engine-2.addr").stat().st_mtime
             deadline = time.monotonic() + 30
             while True:
-                answer = await rollout(session, base, MODEL, prompt(8), max_tokens=2)
+                answer = await post_rollout(session, base, MODEL, prompt(8), max_tokens=2)
                 if answer.status == 200:
                     served_at = time.time()
                     break
@@ -166,7 +167,7 @@ async def test_requests_on_a_dead_engine_migrate(tmp_path: Path, model_dir: Path
     New requests too, although the frontend (1.6.1) keeps routing to the worker
     whose /health says notready: migration, not health, keeps them whole."""
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, "tiny-migrate")
+        stack = Stack.new(tmp_path, group, model_dir, "tiny-migrate")
         addresses = []
         for i in range(2):
             _, address = stack.start_engine(f"engine-{i}", *LONG_SIM_ARGS)
@@ -179,7 +180,7 @@ async def test_requests_on_a_dead_engine_migrate(tmp_path: Path, model_dir: Path
         base = stack.base_url
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             tasks = [
-                asyncio.create_task(rollout(session, base, "tiny-migrate", prompt(i), 100))
+                asyncio.create_task(post_rollout(session, base, "tiny-migrate", prompt(i), 100))
                 for i in range(IN_FLIGHT_ROLLOUTS)
             ]
             half = IN_FLIGHT_ROLLOUTS // 2
@@ -188,7 +189,7 @@ async def test_requests_on_a_dead_engine_migrate(tmp_path: Path, model_dir: Path
                     wait_load(a, lambda load: load.running_requests >= half, 60) for a in addresses
                 ]
             )
-            stack.engines[0][0].kill()
+            stack.engines[0].proc.kill()
             killed = time.monotonic()
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             migrated_s = max(o.ended for o in outcomes) - killed
@@ -200,7 +201,8 @@ async def test_requests_on_a_dead_engine_migrate(tmp_path: Path, model_dir: Path
             assert len({r.instance_id for r in results}) == 1
             assert all(r.finish_reason in ("length", "stop") and r.token_ids for r in results)
             after = [
-                await rollout(session, base, "tiny-migrate", prompt(200 + i), 2) for i in range(6)
+                await post_rollout(session, base, "tiny-migrate", prompt(200 + i), 2)
+                for i in range(6)
             ]
             assert [o.status for o in after] == [200] * 6
         record(

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from faults_common import LONG_SIM_ARGS, idle, new_stack, prompt, record, rollout, wait_load
-from procs import ProcessGroup, free_port
 
 from bridge import driver
+from harness.engine import idle, wait_load
+from harness.http import post_rollout
+from harness.ports import free_port
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -25,7 +29,7 @@ async def workers_serving(session: aiohttp.ClientSession, base: str, tries: int)
     """Instance ids of the engines that answered ``tries`` rollouts (round-robin)."""
     seen: set[str] = set()
     for i in range(tries):
-        answer = await rollout(session, base, MODEL, prompt(300 + i), max_tokens=2)
+        answer = await post_rollout(session, base, MODEL, prompt(300 + i), max_tokens=2)
         assert answer.status == 200, (answer.status, answer.body)
         seen.add(driver.parse_rollout_response(answer.body).instance_id)
     return seen
@@ -34,7 +38,7 @@ async def workers_serving(session: aiohttp.ClientSession, base: str, tries: int)
 async def test_frontend_restart(tmp_path: Path, model_dir: Path) -> None:
     port = free_port()
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
         addresses = []
         for i in range(2):
             _, address = stack.start_engine(f"engine-{i}", *LONG_SIM_ARGS)
@@ -48,7 +52,7 @@ async def test_frontend_restart(tmp_path: Path, model_dir: Path) -> None:
             assert len(before) == 2
             tasks = [
                 asyncio.create_task(
-                    rollout(session, stack.base_url, MODEL, prompt(i), max_tokens=1500)
+                    post_rollout(session, stack.base_url, MODEL, prompt(i), max_tokens=1500)
                 )
                 for i in range(IN_FLIGHT)
             ]

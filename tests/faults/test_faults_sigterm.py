@@ -17,10 +17,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from faults_common import LONG_SIM_ARGS, idle, new_stack, prompt, record, rollout, wait_load
-from procs import ProcessGroup, group_alive, served_models, wait_until
 
 from bridge import driver
+from harness.engine import idle, wait_load
+from harness.http import post_rollout, served_models
+from harness.procs import ProcessGroup, group_alive
+from harness.stack import Stack
+from harness.waits import wait_until
+from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -32,7 +36,7 @@ SHORT, LONG = 25, 1500
 
 async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
         engine, address = stack.start_engine(
             "engine", *LONG_SIM_ARGS, "--grace-period-s", str(GRACE_S)
         )
@@ -42,11 +46,13 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
         base = stack.base_url
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             short = [
-                asyncio.create_task(rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
+                asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
                 for i in range(8)
             ]
             long = [
-                asyncio.create_task(rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG))
+                asyncio.create_task(
+                    post_rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG)
+                )
                 for i in range(8)
             ]
             await asyncio.to_thread(
@@ -55,7 +61,7 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
             engine.signal(signal.SIGTERM)
             sent = time.monotonic()
             # Draining: new requests are refused at once (a migratable 5xx).
-            refused = await rollout(session, base, MODEL, prompt(99), max_tokens=2)
+            refused = await post_rollout(session, base, MODEL, prompt(99), max_tokens=2)
             assert 500 <= refused.status < 600, (refused.status, refused.body)
             code = await asyncio.to_thread(engine.wait_exit, GRACE_S + 10)
             exit_s = time.monotonic() - sent
@@ -84,7 +90,7 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
 
 async def test_bridge_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, MODEL)
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
         engine, address = stack.start_engine("engine", *LONG_SIM_ARGS)
         bridge = stack.start_bridge(
             "bridge", address, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS=str(int(GRACE_S))
@@ -94,11 +100,13 @@ async def test_bridge_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
         base = stack.base_url
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             short = [
-                asyncio.create_task(rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
+                asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
                 for i in range(8)
             ]
             long = [
-                asyncio.create_task(rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG))
+                asyncio.create_task(
+                    post_rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG)
+                )
                 for i in range(4)
             ]
             await asyncio.to_thread(

@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 import pytest
-from procs import ROOT
+
+from harness import ARTIFACTS, ROOT
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -25,7 +26,7 @@ RSS_TOLERANCE_PCT = 10.0
 
 
 def soak(name: str) -> dict[str, Any]:
-    out = ROOT / ".artifacts" / f"{name}.json"
+    out = ARTIFACTS / f"{name}.json"
     run = subprocess.run(
         [
             sys.executable,

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faults_common import record
-from procs import ProcessGroup
-from servers import sim_cli_args
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.cli import build_parser, config_from_args
+from harness.engine import sim_cli_args
+from harness.procs import ProcessGroup
+from tests.faults.faults_common import record
 
 WATCHDOG_S = 1.0
 # Deltas of one token with 20 top logprobs (~400 bytes each) for up to 30k

@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from faults_common import new_stack
-from procs import ROOT, ProcessGroup, http_json
 
 import engine_contract
 from bridge import driver
+from harness import ROOT
+from harness.http import http_json
+from harness.procs import ProcessGroup
+from harness.stack import Stack
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -58,7 +60,7 @@ def test_incompatible_revisions_are_refused(
     tmp_path: Path, model_dir: Path, server: dict[str, str], bridge: dict[str, str], message: str
 ) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, "tiny-skew")
+        stack = Stack.new(tmp_path, group, model_dir, "tiny-skew")
         _, address = stack.start_engine("engine", env=server, launcher=SKEWED)
         proc = stack.start_bridge("bridge", address, launcher=SKEWED, **bridge)
         assert proc.wait_exit(60) == 1
@@ -85,7 +87,7 @@ def test_compatible_revisions_serve(
 ) -> None:
     model = "tiny-skew-ok"
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = new_stack(tmp_path, group, model_dir, model)
+        stack = Stack.new(tmp_path, group, model_dir, model)
         _, address = stack.start_engine("engine", env=server, launcher=SKEWED)
         proc = stack.start_bridge("bridge", address, launcher=SKEWED, **bridge)
         stack.start_frontend()

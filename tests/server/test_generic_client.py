@@ -8,11 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from servers import ROOT, InProcessServer, sim_cli_args
 
 import engine_contract
-from engine_server.backends.sim import SimBackend
-from engine_server.cli import build_parser, config_from_args
+from harness import ROOT
+from harness.engine import InProcessServer, sim_cli_args
 
 BUF = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
 
@@ -21,8 +20,7 @@ BUF = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
 def address() -> str:  # type: ignore[misc]
     if not BUF.exists():
         pytest.skip("buf is not installed (make proto-lint installs it)")
-    args = build_parser("sim").parse_args(sim_cli_args())
-    server = InProcessServer(SimBackend.from_cli_args(args), config_from_args(args)).start()
+    server = InProcessServer.from_cli(*sim_cli_args()).start()
     yield server.address
     server.stop()
 

@@ -12,29 +12,19 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import InProcessServer, ServerProcess, sim_cli_args
 
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from engine_server.backends.sim import SimBackend
-from engine_server.cli import build_parser, config_from_args
+from harness.engine import InProcessServer, health_status, sim_cli_args
+from harness.procs import ProcessGroup
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def inproc(*extra: str) -> InProcessServer:
-    args = build_parser("sim").parse_args(sim_cli_args(*extra))
-    return InProcessServer(SimBackend.from_cli_args(args), config_from_args(args))
-
-
-def health_status(address: str, service: str = engine_contract.SERVICE_NAME) -> int:
-    with grpc.insecure_channel(address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5
-        )
-        return answer.status
+    return InProcessServer.from_cli(*sim_cli_args(*extra))
 
 
 def long_request(request_id: str, max_tokens: int) -> pb.GenerateRequest:
@@ -111,22 +101,22 @@ def test_drain_finishes_short_requests_aborts_long_ones_and_refuses_new() -> Non
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
-    proc = ServerProcess(
-        sim_cli_args("--decode-step-ms", "5", "--grace-period-s", "1"), tmp_path / "server.log"
-    )
-    address = proc.wait_ready()
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
-        stream = stub.Generate(long_request("long", 100_000 // 50))
-        next(stream)
-        proc.proc.send_signal(signal.SIGTERM)
-        with pytest.raises(grpc.RpcError) as err:
-            list(stream)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    started = time.monotonic()
-    assert proc.terminate(timeout=20) == 0, proc.log_text()
-    assert time.monotonic() - started < 10
-    assert "[shutdown] stopped" in proc.log_text()
+    with ProcessGroup(tmp_path) as group:
+        proc, address = group.engine_server(
+            "server", "--decode-step-ms", "5", "--grace-period-s", "1"
+        )
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            stream = stub.Generate(long_request("long", 100_000 // 50))
+            next(stream)
+            proc.signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        started = time.monotonic()
+        assert proc.stop(timeout=20) == 0, proc.log_tail()
+        assert time.monotonic() - started < 10
+        assert "[shutdown] stopped" in proc.log_tail()
 
 
 def test_unix_socket(tmp_path: Path) -> None:
@@ -152,15 +142,11 @@ def test_non_loopback_listen_is_refused_unless_allowed(tmp_path: Path) -> None:
     )
     assert refused.returncode == 2
     assert "non-loopback" in refused.stderr and "--allow-remote" in refused.stderr
-    proc = ServerProcess(
-        ["--backend", "sim", "--listen", "0.0.0.0:0", "--allow-remote"], tmp_path / "server.log"
-    )
-    try:
-        address = proc.wait_ready()
+    with ProcessGroup(tmp_path) as group:
+        proc, address = group.engine_server("server", "--allow-remote", listen="0.0.0.0:0")
         port = address.rsplit(":", 1)[1]
         assert health_status(f"127.0.0.1:{port}", "") == SERVING
-    finally:
-        assert proc.terminate() == 0
+        assert proc.stop(timeout=30) == 0
 
 
 def test_port_in_use_is_a_clear_error() -> None:

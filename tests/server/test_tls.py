@@ -7,12 +7,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from servers import InProcessServer, sim_cli_args
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from engine_server.backends.sim import SimBackend
-from engine_server.cli import build_parser, config_from_args
+from harness.engine import InProcessServer, sim_cli_args
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -79,8 +77,7 @@ def start(pki: Path, client_ca: bool) -> InProcessServer:
     extra = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
     if client_ca:
         extra += ["--tls-client-ca", str(pki / "ca.pem")]
-    args = build_parser("sim").parse_args(sim_cli_args(*extra))
-    return InProcessServer(SimBackend.from_cli_args(args), config_from_args(args)).start()
+    return InProcessServer.from_cli(*sim_cli_args(*extra)).start()
 
 
 def info(address: str, credentials: grpc.ChannelCredentials) -> pb.GetServerInfoResponse:

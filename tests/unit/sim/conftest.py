@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from sim_helpers import EventRecorder
 
 from engine_server.backends.sim import SimBackend
+from tests.unit.sim.sim_helpers import EventRecorder
 
 MakeBackend = Callable[..., Awaitable[tuple[SimBackend, EventRecorder]]]
 

@@ -7,11 +7,11 @@ import json
 from array import array
 
 import pytest
-from sim_helpers import collect, tokens_of
 
 from engine_server.backends import load_backend_class
 from engine_server.backends.base import FinishReason, SamplingSpec
 from engine_server.backends.sim import RoutedExpertsConfig, SimBackend, SimConfig
+from tests.unit.sim.sim_helpers import collect, tokens_of
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

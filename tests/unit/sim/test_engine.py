@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import pytest
-from sim_helpers import collect, logprobs_of, tokens_of
 
 from engine_server.backends.base import (
     EngineDeadError,
@@ -15,6 +14,7 @@ from engine_server.backends.base import (
     SamplingSpec,
 )
 from engine_server.backends.sim import SimBackend
+from tests.unit.sim.sim_helpers import collect, logprobs_of, tokens_of
 
 PROMPT = list(range(40))
 

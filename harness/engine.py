@@ -1,0 +1,203 @@
+"""An engine server over gRPC, as tests see it: served in this process on its own
+loop, its load (and waits on it), its health, its KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import engine_contract
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server.backends.base import EngineBackend
+from engine_server.config import ServerConfig
+from engine_server.server import EngineServerHandle
+from harness.waits import WaitTimeout, Watched, wait_until
+
+T = TypeVar("T")
+LoadPredicate = Callable[[pb.GetLoadResponse], bool]
+
+
+def sim_cli_args(*extra: str) -> list[str]:
+    """The engine-server command line (after ``python -m engine_server``) of a sim
+    server on a free loopback port."""
+    return ["--backend", "sim", "--listen", "127.0.0.1:0", *extra]
+
+
+def long_sim_args(decode_step_ms: float) -> tuple[str, ...]:
+    """Sim flags for requests that run long without ignore_eos (which would also switch
+    off the frontend's stop strings): EOS is never the likeliest token."""
+    return ("--eos-rate", "0", "--decode-step-ms", f"{decode_step_ms:g}")
+
+
+def tiny_vllm_args(max_model_len: int = 1024) -> list[str]:
+    """vLLM engine flags for the tiny model on a CPU (or GPU): fp32, eager, a 64 MiB
+    KV cache (after ``--backend vllm --model DIR``)."""
+    return [
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+    ]
+
+
+class InProcessServer:
+    """An engine server on its own event loop in a daemon thread of this process.
+
+    Its own loop keeps it independent of pytest-asyncio's per-test loops, while
+    still being in-process (real gRPC over a real socket).
+    """
+
+    def __init__(self, backend: EngineBackend, config: ServerConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._handle: EngineServerHandle | None = None
+        self._backend = backend
+        self._config = config
+
+    @classmethod
+    def from_cli(cls, *argv: str) -> InProcessServer:
+        """The server ``python -m engine_server ARGV`` would run (not started yet)."""
+        from engine_server import cli
+
+        return cls(*cli.backend_and_config(cli.parse_args(list(argv))))
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def start(self, wait_ready: bool = True) -> InProcessServer:
+        from engine_server.server import start_server
+
+        self._handle = self.run(start_server(self._backend, self._config))
+        if wait_ready:
+            self.run(self._handle.wait_ready())
+        return self
+
+    @property
+    def handle(self) -> EngineServerHandle:
+        if self._handle is None:
+            raise RuntimeError("start() first")
+        return self._handle
+
+    @property
+    def address(self) -> str:
+        return self.handle.address
+
+    def stop(self, grace: float = 0) -> None:
+        if self._handle is not None:
+            self.run(self._handle.stop(grace))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+# -- load --------------------------------------------------------------------
+
+
+def idle(load: pb.GetLoadResponse) -> bool:
+    """Nothing running, waiting or registered."""
+    return (
+        load.running_requests == 0 and load.waiting_requests == 0 and load.registered_requests == 0
+    )
+
+
+def load(address: str) -> pb.GetLoadResponse:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.EngineServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
+
+
+def wait_load(
+    address: str,
+    predicate: LoadPredicate,
+    timeout: float = 5.0,
+    what: str = "load",
+    interval: float = 0.02,
+) -> pb.GetLoadResponse:
+    """Poll GetLoad until ``predicate(load)`` holds and return that load; WaitTimeout
+    (with the last load) after ``timeout`` seconds."""
+    started = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        while True:
+            last = stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+            if predicate(last):
+                return last
+            if time.monotonic() - started > timeout:
+                raise WaitTimeout(f"{what}: not within {timeout}s; last load: {last}", last)
+            time.sleep(interval)
+
+
+async def wait_load_async(
+    stub: pb_grpc.EngineServiceStub,
+    predicate: LoadPredicate,
+    timeout: float = 5.0,
+    what: str = "load",
+    interval: float = 0.02,
+) -> pb.GetLoadResponse:
+    """``wait_load`` on an asyncio stub (``grpc.aio``)."""
+    started = time.monotonic()
+    while True:
+        last: pb.GetLoadResponse = await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+        if predicate(last):
+            return last
+        if time.monotonic() - started > timeout:
+            raise WaitTimeout(f"{what}: not within {timeout}s; last load: {last}", last)
+        await asyncio.sleep(interval)
+
+
+# -- health and the KV cache -----------------------------------------------------
+
+
+def health_status(address: str, service: str = engine_contract.SERVICE_NAME) -> int:
+    """The server's gRPC health status for ``service`` (raises when it does not answer)."""
+    with grpc.insecure_channel(address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+        return int(answer.status)
+
+
+def wait_serving(address: str, timeout: float, procs: Sequence[Watched] = ()) -> None:
+    """Until the engine server at ``address`` says SERVING (its engine is ready)."""
+
+    def serving() -> bool:
+        try:
+            return health_status(address) == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    wait_until(serving, timeout, f"{address} SERVING", procs, interval=0.5)
+
+
+def snapshot_blocks(address: str) -> int:
+    """Blocks in the engine's KV cache, from a SubscribeKvEvents snapshot."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        call = stub.SubscribeKvEvents(
+            pb.SubscribeKvEventsRequest(include_snapshot=True), timeout=10
+        )
+        blocks = 0
+        try:
+            for response in call:
+                batch = response.batch
+                blocks += sum(
+                    len(e.stored.block_hashes) for e in batch.events if e.HasField("stored")
+                )
+                if not batch.HasField("snapshot") or batch.snapshot.last:
+                    break
+        finally:
+            call.cancel()
+        return blocks

@@ -1,0 +1,63 @@
+"""Environments for child processes (Dynamo on one machine, imports made to fail,
+the worker's /health), and what this process can import."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from harness import ROOT
+
+# Holds the sitecustomize.py that fails the imports named in BLOCKED_IMPORTS.
+BLOCKERS_DIR = Path(__file__).resolve().parent / "blockers"
+
+
+def dynamo_env(kv_dir: Path, **extra: str) -> dict[str, str]:
+    """Dynamo processes on one machine: file discovery in ``kv_dir``, TCP requests,
+    ZMQ events, loopback only, offline, no grace period at shutdown (``extra`` wins)."""
+    return {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(kv_dir),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "NO_COLOR": "1",
+        **extra,
+    }
+
+
+def blocking_env(*packages: str) -> dict[str, str]:
+    """A Python that fails to import ``packages`` (and their submodules): the
+    dependency rule, enforced at runtime."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(BLOCKERS_DIR), str(ROOT), path) if p),
+        "BLOCKED_IMPORTS": ",".join(packages),
+    }
+
+
+def health_env(system_port: int, canary_wait_s: int = 1) -> dict[str, str]:
+    """A worker serving Dynamo's ``/health`` on ``system_port``, with the runtime's
+    canary probing the bridge's endpoint after ``canary_wait_s`` idle."""
+    return {
+        "DYN_SYSTEM_PORT": str(system_port),
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "DYN_CANARY_WAIT_TIME": str(canary_wait_s),
+        "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "1",
+    }
+
+
+def importable(package: str) -> bool:
+    """Whether ``package`` can be imported here (False also where ``blocking_env``
+    blocks it: the blocker raises ImportError from ``find_spec``)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:
+        return False

@@ -1,0 +1,264 @@
+"""Real processes: engine servers, bridges, Dynamo frontends and helpers.
+
+Each runs as a subprocess in its own session with its output in a log file,
+has a ``Role``, and is stopped (SIGTERM, then SIGKILL) when its
+``ProcessGroup`` closes, in reverse order of start, so tests can start, kill
+and restart pieces at will. Everything binds to loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness import ROOT
+from harness.ports import free_port
+from harness.waits import wait_until
+
+
+class Role(enum.Enum):
+    """What a process is to the system under test (the benchmark's CPU accounting
+    goes by it)."""
+
+    ENGINE_SERVER = "engine"
+    BRIDGE = "bridge"
+    FRONTEND = "frontend"
+    # A Dynamo worker serving an engine in its own process (the benchmark's
+    # one-process design), or a program driving an engine directly.
+    WORKER = "worker"
+    OTHER = "other"
+
+
+class Proc:
+    """One subprocess with its log; ``stop()`` is idempotent."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        role: Role = Role.OTHER,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # closed in stop()
+        self.popen = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def __repr__(self) -> str:
+        return f"Proc({self.name!r}, {self.role.value}, pid {self.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise RuntimeError(
+                f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}"
+            )
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def wait_exit(self, timeout: float) -> int:
+        """The exit code once it ends; raises TimeoutError (with its log) if it does not."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"{self.name} still running after {timeout}s:\n{self.log_tail()}"
+            ) from None
+
+
+class ProcessGroup:
+    """Processes started for one test, session or run; closing stops them in reverse order."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                proc.stop()
+
+    def get(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def with_role(self, role: Role) -> list[Proc]:
+        return [p for p in self.procs if p.role is role]
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        role: Role = Role.OTHER,
+    ) -> Proc:
+        proc = Proc(name, argv, self.log_dir / f"{name}.log", env, role)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, *procs: Proc) -> None:
+        """Stop ``procs`` now and forget them (so idle ones weigh on nothing later)."""
+        for proc in procs:
+            proc.stop()
+            self.procs.remove(proc)
+
+    # -- the three programs --------------------------------------------------
+
+    def engine_server(
+        self,
+        name: str,
+        *args: str,
+        backend: str = "sim",
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        listen: str = "127.0.0.1:0",
+        launcher: Sequence[str] = (),
+        ready_file: bool = True,
+    ) -> tuple[Proc, str]:
+        """``python -m engine_server`` (on a free port unless ``listen`` says
+        otherwise); returns (proc, address) once it has written its address to
+        ``--ready-file``. ``ready_file=False``: the command as given, no such flag,
+        returned at once (``listen`` must then name the port; wait for it with
+        ``harness.engine.wait_serving``). ``launcher``: a script put before ``-m``
+        that runs the module itself (tests/faults/skewed_revision.py)."""
+        argv = [
+            sys.executable,
+            *launcher,
+            "-m",
+            "engine_server",
+            "--backend",
+            backend,
+            "--listen",
+            listen,
+            *args,
+        ]
+        if not ready_file:
+            return self.spawn(name, argv, env, Role.ENGINE_SERVER), listen
+        ready = self.log_dir / f"{name}.addr"
+        ready.unlink(missing_ok=True)
+        proc = self.spawn(name, [*argv, "--ready-file", str(ready)], env, Role.ENGINE_SERVER)
+        wait_until(
+            lambda: ready.exists() and ready.read_text().strip(), timeout, f"{name} address", [proc]
+        )
+        return proc, ready.read_text().strip()
+
+    def bridge(
+        self,
+        name: str,
+        engine_address: str,
+        model_dir: Path,
+        served_model_name: str,
+        namespace: str,
+        env: dict[str, str],
+        *args: str,
+        launcher: Sequence[str] = (),
+    ) -> Proc:
+        """``python -m bridge`` in front of ``engine_address``; returns at once."""
+        argv = [
+            sys.executable,
+            *launcher,
+            "-m",
+            "bridge",
+            "--engine",
+            engine_address,
+            "--model-path",
+            str(model_dir),
+            "--served-model-name",
+            served_model_name,
+            "--namespace",
+            namespace,
+            *args,
+        ]
+        return self.spawn(name, argv, env, Role.BRIDGE)
+
+    def frontend(
+        self, name: str, env: dict[str, str], *args: str, port: int | None = None
+    ) -> tuple[Proc, str]:
+        """``python -m dynamo.frontend`` on ``port`` (a free one by default); returns
+        (proc, base URL) at once."""
+        port = port or free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "dynamo.frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            *args,
+        ]
+        return self.spawn(name, argv, env, Role.FRONTEND), f"http://127.0.0.1:{port}"
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the session ``pgid`` (a Proc's own) still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
