@@ -1,4 +1,18 @@
 """``make bench``: what the gRPC hop between the bridge and the engine server costs.
 
-See ``bench/__main__.py`` for the harness and README's "Benchmarks" for the table.
+``python -m bench`` (``__main__``: options, the parts in order, bench.md and
+bench.json). One module per part, each returning a typed result that renders
+its own table:
+
+- ``frontend_rollouts``  1. rollouts through Dynamo's frontend, one process vs two
+- ``hop``                2. the gRPC hop alone, vs the same engine code in-process
+- ``large_rollout``      3. one 16k-token rollout with routed experts: bytes and time
+- ``kv_events``          4. KV events through the relay: sustained rate, latency
+- ``vllm_stack``         5. the vLLM engine server through the stack vs AsyncLLM
+
+Shared: ``context`` (options, model, prompts, processes), ``measure``
+(interleaved repetitions, CPU time by process role), ``stats`` (closed-loop
+load, medians), ``report`` (markdown). Programs the parts start:
+``inprocess_engine`` (the one-process worker, on ``local_engine``),
+``kv_source`` / ``kv_worker`` (part 4), ``vllm_direct`` (part 5).
 """

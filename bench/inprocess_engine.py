@@ -99,12 +99,12 @@ class InProcessEngine(LLMEngine):
         try:
             message = codec.build_rollout_request(request_id, request, spec)
             response = await self.local.rollout(message)
-            chunk: dict[str, Any] = codec.rollout_chunk(response)
+            chunk = codec.rollout_chunk(response)
         except Exception as e:
             raise errors.to_dynamo(e) from e
         finally:
             self._inflight.pop(context_id, None)
-        yield chunk  # type: ignore[misc]
+        yield chunk
 
     async def abort(self, context: Context) -> None:
         request_id = self._inflight.get(context.id())

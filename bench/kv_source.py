@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 
 from engine_server import ServerConfig, serve
 from engine_server.backends.base import BlockStored, KvEventBatch
@@ -23,7 +24,13 @@ from engine_server.backends.sim import SimBackend
 BLOCK_SIZE = 16
 
 
-async def burst(hub_publish, rate: float, seconds: float, batch: int, state: dict) -> dict:
+async def burst(
+    hub_publish: Callable[[KvEventBatch], object],
+    rate: float,
+    seconds: float,
+    batch: int,
+    state: dict[str, int],
+) -> dict[str, float]:
     tokens = tuple(range(BLOCK_SIZE))
     emitted = 0
     started = time.perf_counter()
@@ -34,7 +41,7 @@ async def burst(hub_publish, rate: float, seconds: float, batch: int, state: dic
             break
         due = int(rate * (now - started)) - emitted
         while due > 0:
-            events = []
+            events: list[BlockStored] = []
             for _ in range(min(batch, due)):
                 h = max(time.time_ns(), state["last"] + 1)
                 state["last"] = h

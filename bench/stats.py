@@ -7,7 +7,9 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -36,6 +38,22 @@ class Cell:
         return percentile(self.latencies_s, 99) * 1000
 
 
+@dataclass
+class Summary:
+    """Medians over the repetitions of one (configuration, concurrency)."""
+
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    # CPU milliseconds per request by process role ("client": this process;
+    # "<role>-children": the role's child processes, vLLM's EngineCore).
+    cpu_ms: dict[str, float]
+    reps: int
+    # Per repetition, in order, for ratios paired within a repetition.
+    rps_reps: list[float]
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -48,6 +66,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def rotate(items: Sequence[T], k: int) -> list[T]:
+    """``items`` starting at ``k`` (mod its length): the order of repetition ``k``."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
 
 
 async def closed_loop(
@@ -83,18 +107,17 @@ async def closed_loop(
     return Cell(config, concurrency, n - errors, seconds, latencies, errors)
 
 
-def summarize(cells: Sequence[Cell]) -> dict[str, Any]:
+def summarize(cells: Sequence[Cell]) -> Summary:
     """Medians over repetitions of one (config, concurrency)."""
-    return {
-        "rps": median([c.rps for c in cells]),
-        "p50_ms": median([c.p50_ms for c in cells]),
-        "p99_ms": median([c.p99_ms for c in cells]),
-        "errors": sum(c.errors for c in cells),
-        "cpu_ms": {
+    return Summary(
+        rps=median([c.rps for c in cells]),
+        p50_ms=median([c.p50_ms for c in cells]),
+        p99_ms=median([c.p99_ms for c in cells]),
+        errors=sum(c.errors for c in cells),
+        cpu_ms={
             k: median([c.cpu_ms.get(k, 0.0) for c in cells])
             for k in sorted({k for c in cells for k in c.cpu_ms})
         },
-        "reps": len(cells),
-        # Per repetition, in order, for ratios paired within a repetition.
-        "rps_reps": [c.rps for c in cells],
-    }
+        reps=len(cells),
+        rps_reps=[c.rps for c in cells],
+    )

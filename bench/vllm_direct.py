@@ -11,6 +11,7 @@ runs one measurement into ``CTL_DIR/result-<rep>.json``; ``CTL_DIR/quit`` ends.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -23,17 +24,20 @@ from engine_server import admission
 
 
 async def main() -> None:
+    from engine_server.backends.vllm import VllmBackend
+    from engine_server.backends.vllm.sampling import to_sampling_params
+
     ctl = Path(sys.argv[1])
     ctl.mkdir(parents=True, exist_ok=True)
     local = LocalEngine(["--backend", "vllm", *sys.argv[2:]])
     await local.start()
-    from engine_server.backends.vllm.sampling import to_sampling_params
-
-    engine = local.backend.engine  # type: ignore[attr-defined]
-    info = local.info
-    defaults = admission.resolve_defaults(local.config.defaults, info)
+    backend = local.core.backend
+    assert isinstance(backend, VllmBackend)
+    engine = backend.engine
+    serving = local.core.serving()
+    limits = local.core.config.limits
     (ctl / "ready").write_text("")
-    counter = 0
+    ids = itertools.count(1)
     while not (ctl / "quit").exists():
         request = ctl / "request"
         if not request.exists():
@@ -41,20 +45,18 @@ async def main() -> None:
             continue
         prompts_file, concurrency, n, rep = json.loads(request.read_text())
         request.unlink()
-        prompts = json.loads(Path(prompts_file).read_text())
+        prompts: list[list[int]] = json.loads(Path(prompts_file).read_text())
 
         async def send(i: int, prompts: list[list[int]] = prompts) -> None:
-            nonlocal counter
-            counter += 1
             plan = admission.plan_rollout(
                 pb.RolloutRequest(
-                    request_id=f"d{counter}",
+                    request_id=f"d{next(ids)}",
                     prompt_token_ids=prompts[i % len(prompts)],
                     greedy=True,
                 ),
-                info,
-                defaults,
-                local.config.limits,
+                serving.info,
+                serving.defaults,
+                limits,
             )
             params = to_sampling_params(plan.spec)
             final = None

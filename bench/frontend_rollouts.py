@@ -1,0 +1,196 @@
+"""Part 1: rollouts through Dynamo's frontend at concurrency 1/16/64/256, one
+process against two. (a) a Dynamo worker serving the simulated engine in its own
+process; (b) bridge + engine server over gRPC: rollouts on the ``Rollouts``
+stream over TCP and over a unix socket, and one ``Rollout`` call each over TCP.
+Zero-delay engine, CPU time per rollout for every process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+
+from bench.context import CONCURRENCY, GEN_TOKENS, PROMPT_TOKENS, Bench, say
+from bench.measure import Config, interleaved
+from bench.report import fmt, paired, table
+from bench.stats import Cell, Summary, closed_loop, summarize
+from bridge import driver
+from harness.procs import Proc
+
+# (a), then (b)'s transports; each is also the model name it is served as.
+ONE_PROCESS = "inproc"
+TRANSPORTS = {
+    "grpc-tcp": "stream, tcp",
+    "grpc-unix": "stream, unix",
+    "unary-tcp": "unary, tcp",
+}
+CONFIGS = (ONE_PROCESS, *TRANSPORTS)
+
+
+@dataclass
+class FrontendRollouts:
+    # configuration -> concurrency -> medians over repetitions
+    summaries: dict[str, dict[int, Summary]]
+
+    def render(self) -> str:
+        s = self.summaries
+        lines = [
+            "## 1. Rollouts through Dynamo's frontend (sim engine, zero delay, "
+            f"{PROMPT_TOKENS}-token prompts, {GEN_TOKENS} tokens out)",
+            "",
+            "(a) = in-process Dynamo worker; (b) = bridge + engine server over gRPC.",
+            "",
+            "rps (b)/(a) is the ratio of medians; paired is the median, and the range, "
+            "of the ratios within each repetition (the configurations of a repetition "
+            "run back to back, so slow drifts in the machine's other load cancel).",
+            "",
+        ]
+        rows = []
+        for c in CONCURRENCY:
+            a = s[ONE_PROCESS][c]
+            for transport, label in TRANSPORTS.items():
+                b = s[transport][c]
+                rows.append(
+                    [
+                        c,
+                        fmt(a.rps),
+                        fmt(a.p50_ms, 2),
+                        fmt(a.p99_ms, 2),
+                        label,
+                        fmt(b.rps),
+                        fmt(b.p50_ms, 2),
+                        fmt(b.p99_ms, 2),
+                        f"**{b.rps / a.rps:.2f}**",
+                        paired(a, b),
+                        f"**{b.p50_ms - a.p50_ms:+.2f}**",
+                        f"{b.p99_ms / a.p99_ms:.2f}",
+                    ]
+                )
+        lines += table(
+            [
+                "conc",
+                "(a) rps",
+                "(a) p50 ms",
+                "(a) p99 ms",
+                "(b) transport",
+                "(b) rps",
+                "(b) p50 ms",
+                "(b) p99 ms",
+                "rps (b)/(a)",
+                "paired",
+                "p50 +ms",
+                "p99 (b)/(a)",
+            ],
+            "rrrrlrrrrlrr",
+            rows,
+        )
+        errors = sum(r.errors for per in s.values() for r in per.values())
+        lines += [
+            "",
+            f"Failed requests (not counted above): {errors}.",
+            "",
+            "CPU milliseconds per rollout, by process (where the cost goes):",
+            "",
+        ]
+        rows = []
+        for c in CONCURRENCY:
+            for name in CONFIGS:
+                cpu = s[name][c].cpu_ms
+                if not cpu:
+                    continue
+                worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
+                rows.append(
+                    [
+                        c,
+                        TRANSPORTS.get(name, name),
+                        f"{cpu.get('frontend', 0):.2f}",
+                        f"{worker:.2f}",
+                        f"{cpu.get('engine', 0) + cpu.get('engine-children', 0):.2f}",
+                        f"{cpu.get('client', 0):.2f}",
+                        f"{sum(cpu.values()):.2f}",
+                    ]
+                )
+        lines += table(
+            [
+                "conc",
+                "config",
+                "frontend",
+                "worker / bridge",
+                "engine server",
+                "load generator",
+                "total",
+            ],
+            "rlrrrrr",
+            rows,
+        )
+        return "\n".join([*lines, ""])
+
+
+@asynccontextmanager
+async def frontend_session() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP session without a connection limit, for closed-loop load."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield session
+
+
+def rollout_sender(
+    client: driver.RolloutClient, prompts: Sequence[list[int]], max_tokens: int, exact: bool
+) -> Callable[[int], Awaitable[None]]:
+    """``send(i)``: greedy rollout ``i`` of ``prompts`` through the frontend."""
+
+    async def send(i: int) -> None:
+        result = await client.rollout(prompts[i % len(prompts)], greedy=True, max_tokens=max_tokens)
+        # A greedy rollout may end on EOS before max_tokens (the same prompts in
+        # every configuration); anything else is an error.
+        n = len(result.token_ids)
+        if exact and not (n == max_tokens or (result.finish_reason == "stop" and n < max_tokens)):
+            raise RuntimeError(f"{client.model}: {n} tokens, {result.finish_reason}")
+
+    return send
+
+
+def frontend_config(
+    bench: Bench, session: aiohttp.ClientSession, model: str, serving: Sequence[Proc]
+) -> Config:
+    """Rollouts of ``model`` through the frontend; ``serving``: its processes."""
+    client = driver.RolloutClient(bench.start_frontend(), model, session=session)
+    send = rollout_sender(client, bench.prompts, GEN_TOKENS, exact=True)
+
+    async def measure(concurrency: int, n: int) -> Cell:
+        return await closed_loop(model, send, concurrency, n)
+
+    return Config(model, serving, measure)
+
+
+async def run(bench: Bench) -> FrontendRollouts:
+    say("part 1: rollouts through Dynamo's frontend, one process vs two")
+    frontend = bench.frontend()
+    worker = bench.start_worker(ONE_PROCESS, bench.sim_args())
+    engines = bench.sim_engines()
+    bridges = {
+        "grpc-tcp": bench.start_bridge("grpc-tcp", engines["tcp"].address),
+        "grpc-unix": bench.start_bridge("grpc-unix", engines["unix"].address),
+        "unary-tcp": bench.start_bridge(
+            "unary-tcp", engines["tcp"].address, "--rollout-transport", "unary"
+        ),
+    }
+    serving = {
+        ONE_PROCESS: [frontend, worker],
+        "grpc-tcp": [frontend, bridges["grpc-tcp"], engines["tcp"].proc],
+        "grpc-unix": [frontend, bridges["grpc-unix"], engines["unix"].proc],
+        "unary-tcp": [frontend, bridges["unary-tcp"], engines["tcp"].proc],
+    }
+    bench.wait_models(CONFIGS)
+    async with frontend_session() as session:
+        configs = [frontend_config(bench, session, name, serving[name]) for name in CONFIGS]
+        for config in configs:  # warm-up: connections, caches
+            await config.measure(16, 64)
+        cells = await interleaved(configs, CONCURRENCY, bench.options.reps, bench.requests_for, say)
+    bench.stop(worker, *bridges.values())
+    return FrontendRollouts(
+        {name: {c: summarize(cs) for c, cs in per.items()} for name, per in cells.items()}
+    )

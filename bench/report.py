@@ -1,0 +1,38 @@
+"""Markdown for bench.md: what every part's table is made of."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
+
+from bench.stats import Summary, median
+
+
+class PartResult(Protocol):
+    """What a part returns: a dataclass (bench.json holds it as is) that renders
+    its own section of bench.md."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def render(self) -> str: ...
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def table(header: Sequence[str], align: str, rows: Sequence[Sequence[object]]) -> list[str]:
+    """A markdown table; ``align`` has one letter per column: ``l`` or ``r``."""
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def paired(a: Summary, b: Summary) -> str:
+    """Median [min-max] of the per-repetition rps ratios b/a."""
+    pairs = zip(a.rps_reps, b.rps_reps, strict=True)
+    ratios = [rb / ra for ra, rb in pairs if ra]
+    if not ratios:
+        return ""
+    return f"{median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
