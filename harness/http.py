@@ -129,27 +129,26 @@ async def post_rollout(
     return await post(session, f"{base_url}/v1/completions", body, timeout)
 
 
-async def post_stream(
-    session: aiohttp.ClientSession,
-    base_url: str,
-    model: str,
-    tokens: Sequence[int],
-    max_tokens: int,
-    timeout: float = 60.0,
-) -> Outcome:
-    """A greedy streamed completion read to its end; an SSE error event's code is
-    kept (the HTTP status is 200 by then)."""
-    body = {
+def stream_body(model: str, tokens: Sequence[int], max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed completion of ``tokens``."""
+    return {
         "model": model,
         "prompt": list(tokens),
         "max_tokens": max_tokens,
         "stream": True,
         "temperature": 0,
     }
+
+
+async def post_stream(
+    session: aiohttp.ClientSession, url: str, body: Any, timeout: float = 60.0
+) -> Outcome:
+    """POST a streamed completion and read it to its end; an SSE error event's code
+    is kept (the HTTP status is 200 by then)."""
     code: int | None = None
     try:
         async with session.post(
-            f"{base_url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+            url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             if resp.status != 200:
                 return Outcome(resp.status, time.monotonic(), await resp.text())

@@ -19,7 +19,7 @@ import pytest
 from bridge import driver
 from harness.engine import wait_load
 from harness.env import health_env
-from harness.http import Outcome, http_json, post_rollout, post_stream
+from harness.http import Outcome, http_json, post_rollout, post_stream, stream_body
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
@@ -71,7 +71,11 @@ async def test_engine_server_killed_with_requests_in_flight(
                 asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=1500))
                 for i in range(IN_FLIGHT_ROLLOUTS)
             ] + [
-                asyncio.create_task(post_stream(session, base, MODEL, prompt(100 + i), 1500))
+                asyncio.create_task(
+                    post_stream(
+                        session, f"{base}/v1/completions", stream_body(MODEL, prompt(100 + i), 1500)
+                    )
+                )
                 for i in range(IN_FLIGHT_STREAMS)
             ]
             total = IN_FLIGHT_ROLLOUTS + IN_FLIGHT_STREAMS

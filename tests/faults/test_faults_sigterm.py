@@ -20,7 +20,7 @@ import pytest
 
 from bridge import driver
 from harness.engine import idle, wait_load
-from harness.http import post_rollout, served_models
+from harness.http import Outcome, post_rollout, served_models
 from harness.procs import ProcessGroup, group_alive
 from harness.stack import Stack
 from harness.waits import wait_until
@@ -34,6 +34,24 @@ GRACE_S = 2.0
 SHORT, LONG = 25, 1500
 
 
+async def start_rollouts(
+    session: aiohttp.ClientSession, base: str, address: str, longs: int
+) -> tuple[list[asyncio.Task[Outcome]], list[asyncio.Task[Outcome]]]:
+    """8 rollouts that end well within the grace period and ``longs`` that never do,
+    all running in the engine when this returns."""
+    short = [
+        asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
+        for i in range(8)
+    ]
+    long = [
+        asyncio.create_task(post_rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG))
+        for i in range(longs)
+    ]
+    running = len(short) + len(long)
+    await asyncio.to_thread(wait_load, address, lambda load: load.running_requests >= running, 30)
+    return short, long
+
+
 async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
         stack = Stack.new(tmp_path, group, model_dir, MODEL)
@@ -45,19 +63,7 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
         stack.wait_serving()
         base = stack.base_url
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            short = [
-                asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
-                for i in range(8)
-            ]
-            long = [
-                asyncio.create_task(
-                    post_rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG)
-                )
-                for i in range(8)
-            ]
-            await asyncio.to_thread(
-                wait_load, address, lambda load: load.running_requests >= 16, 30
-            )
+            short, long = await start_rollouts(session, base, address, longs=8)
             engine.signal(signal.SIGTERM)
             sent = time.monotonic()
             # Draining: new requests are refused at once (a migratable 5xx).
@@ -99,19 +105,7 @@ async def test_bridge_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
         stack.wait_serving()
         base = stack.base_url
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            short = [
-                asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
-                for i in range(8)
-            ]
-            long = [
-                asyncio.create_task(
-                    post_rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG)
-                )
-                for i in range(4)
-            ]
-            await asyncio.to_thread(
-                wait_load, address, lambda load: load.running_requests >= 12, 30
-            )
+            short, long = await start_rollouts(session, base, address, longs=4)
             bridge.signal(signal.SIGTERM)
             sent = time.monotonic()
             code = await asyncio.to_thread(bridge.wait_exit, 30)

