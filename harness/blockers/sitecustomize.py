@@ -18,8 +18,12 @@ _BLOCKED = frozenset(p for p in os.environ.get("BLOCKED_IMPORTS", "").split(",")
 
 
 def _check(name: str) -> None:
+    # ModuleNotFoundError, as for a package that is not installed (what
+    # pytest.importorskip skips on, and `except ImportError` still catches).
     if name.partition(".")[0] in _BLOCKED:
-        raise ImportError(f"import of {name!r} is blocked in this process (BLOCKED_IMPORTS)")
+        raise ModuleNotFoundError(
+            f"import of {name!r} is blocked in this process (BLOCKED_IMPORTS)", name=name
+        )
 
 
 class _Blocker:
