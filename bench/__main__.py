@@ -1,6 +1,6 @@
 """``make bench``: the gRPC hop's cost, measured side by side in one run.
 
-    python -m bench [--parts 4,1,2,3,5] [--reps 5] [--quick] [--out bench-results]
+    python -m bench [--parts 4,1,2,3,5,6] [--reps 5] [--quick] [--out bench-results]
 
 1. Rollouts through Dynamo's frontend at concurrency 1/16/64/256: (a) a Dynamo
    worker serving the simulated engine in its own process, (b) bridge + engine
@@ -13,6 +13,8 @@
    (``bench/kv_events.py``).
 5. The vLLM engine server (CPU, tiny model) through the whole stack next to
    ``AsyncLLM`` called directly (``bench/vllm_stack.py``).
+6. The refit cycle: pause -> update -> resume, weights streamed over TCP and a
+   unix socket next to loaded from disk (``bench/refit.py``).
 
 Within a part, configurations are interleaved (each repetition runs every
 configuration, in a rotating order: ``bench/measure.py``) and medians over
@@ -37,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import frontend_rollouts, hop, kv_events, large_rollout, vllm_stack
+from bench import frontend_rollouts, hop, kv_events, large_rollout, refit, vllm_stack
 from bench.context import Bench, Options, say
 from bench.report import PartResult
 from harness import ROOT
@@ -50,6 +52,7 @@ PARTS: dict[int, Part] = {
     3: large_rollout.run,
     4: kv_events.run,
     5: vllm_stack.run,
+    6: refit.run,
 }
 # Parts 1 and 2 measure the same simulated engine servers.
 SIM_ENGINE_PARTS = {1, 2}
@@ -124,7 +127,7 @@ def as_json(meta: Meta, results: dict[int, PartResult]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--parts", default="4,1,2,3,5", help="which parts, in this order (default: all)"
+        "--parts", default="4,1,2,3,5,6", help="which parts, in this order (default: all)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")

@@ -10,8 +10,10 @@ import gc
 import sys
 
 from dynamo.common.backend.run import run
+from dynamo.common.backend.worker import WorkerConfig
 
 from bridge.engine import BridgeEngine
+from bridge.parent import watch_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,12 +21,21 @@ def main(argv: list[str] | None = None) -> int:
     # spare the collector rescanning it on every full collection.
     gc.collect()
     gc.freeze()
+    watch_parent()  # started by a host (engine_server.host): end with it
+    engines: list[BridgeEngine] = []
+
+    async def factory(args: list[str] | None) -> tuple[BridgeEngine, WorkerConfig]:
+        engine, worker_config = await BridgeEngine.from_args(args)
+        engines.append(engine)
+        return engine, worker_config
+
     try:
-        run(BridgeEngine, argv)
+        run(BridgeEngine, argv, engine_factory=factory)
     except Exception as e:  # start-up failures arrive wrapped by Dynamo's Rust worker
         print(f"bridge: {e}", file=sys.stderr)
         return 1
-    return 0
+    # Non-zero when the bridge gave up its registration (a supervisor restarts it).
+    return engines[0].exit_code if engines else 0
 
 
 if __name__ == "__main__":

@@ -8,21 +8,31 @@ deadlines; the start-up wait and the KV-event stream use ``wait_for_ready``.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import engine_contract
-from bridge.rollout_mux import PendingRollout, RolloutMux
+from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+
+
+class Health(enum.Enum):
+    SERVING = "serving"
+    # It answers, but serves nothing now: starting, draining, asleep.
+    NOT_SERVING = "not serving"
+    # No answer: down, wedged (SIGSTOP), or gone with its host.
+    UNREACHABLE = "unreachable"
 
 
 class EngineNotReadyError(RuntimeError):
@@ -99,10 +109,17 @@ class EngineClient:
         )
 
     def use_server_limits(self, info: pb.GetServerInfoResponse) -> None:
-        """Keep streamed batches under the server's message size limit too."""
-        server = info.limits.max_message_bytes
-        if server > 0:
-            self._rollouts.max_message_bytes = min(self.options.max_message_bytes, server)
+        """Keep the rollouts stream within the server's announced limits: message
+        size, starts per message, rollouts on the stream (revision 3)."""
+        limits = info.limits
+        if limits.max_message_bytes > 0:
+            self._rollouts.max_message_bytes = min(
+                self.options.max_message_bytes, limits.max_message_bytes
+            )
+        self._rollouts.limits = StreamLimits(
+            max_starts=limits.max_starts_per_message,
+            max_in_flight=limits.max_rollouts_per_stream,
+        )
 
     async def wait_ready(self, timeout_s: float) -> pb.GetServerInfoResponse:
         """Wait for GetServerInfo to succeed (UNAVAILABLE until the engine is up), then
@@ -138,9 +155,9 @@ class EngineClient:
             check_compatible(info, self.address)
             return info
 
-    async def serving(self) -> bool:
-        """Whether the engine server answers SERVING for the contract's service now
-        (fails fast: no waiting for a connection)."""
+    async def health(self) -> Health:
+        """The engine server's health for the contract's service now (fails fast:
+        no waiting for a connection): UNREACHABLE when it does not answer."""
         try:
             answer = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=engine_contract.SERVICE_NAME),
@@ -148,8 +165,14 @@ class EngineClient:
                 wait_for_ready=False,
             )
         except grpc.aio.AioRpcError:
-            return False
-        return answer.status == health_pb2.HealthCheckResponse.SERVING
+            return Health.UNREACHABLE
+        if answer.status == health_pb2.HealthCheckResponse.SERVING:
+            return Health.SERVING
+        return Health.NOT_SERVING
+
+    async def serving(self) -> bool:
+        """Whether the engine server answers SERVING now."""
+        return await self.health() is Health.SERVING
 
     async def server_info(self) -> pb.GetServerInfoResponse:
         return await self._stub.GetServerInfo(
@@ -177,6 +200,12 @@ class EngineClient:
 
     def subscribe_kv_events(self, request: pb.SubscribeKvEventsRequest) -> grpc.aio.UnaryStreamCall:
         return self._stub.SubscribeKvEvents(request, wait_for_ready=True)
+
+    async def refit(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """One refit-cycle RPC by name (``PauseGeneration``, ``UpdateWeightsFromPath``,
+        ...). No deadline by default: a WAIT pause lasts until the requests in
+        flight finish, and a large checkpoint takes its time to load."""
+        return await getattr(self._stub, method)(request, timeout=timeout)
 
     async def get_load(self) -> pb.GetLoadResponse:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.options.control_timeout_s)

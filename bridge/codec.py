@@ -102,10 +102,29 @@ def parse_request_kind(annotations: Sequence[Any] | None) -> RolloutSpec | None:
             found = parse_rollout_spec(value)
         elif sep and value.lstrip().startswith("{"):
             raise RequestError(
-                f"unknown request kind {kind!r} in annotation {annotation[:80]!r}; "
+                f"unknown request kind {clip(kind)} in annotation {clip(annotation)}; "
                 f"known kinds: {', '.join(KNOWN_KINDS)}"
             )
     return found
+
+
+def clip(value: object, most: int = 80) -> str:
+    """A client's value as an error message may quote it: repr, cut to ``most``
+    characters (messages travel in bounded headers; never echo input whole)."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[: most - 12]}... ({len(text)} chars)"
+
+
+def _text(field: str, value: str) -> str:
+    """A string that can travel as protobuf text (UTF-8): lone surrogates cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            f"{field} is not valid text: {e.reason} at position {e.start} (a lone surrogate "
+            "such as \\ud800 has no UTF-8 form)"
+        ) from None
+    return value
 
 
 def parse_rollout_spec(text: str) -> RolloutSpec:
@@ -116,12 +135,14 @@ def parse_rollout_spec(text: str) -> RolloutSpec:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise RequestError(f"rollout spec is not valid JSON: {e}") from e
+    except RecursionError:
+        raise RequestError("rollout spec is nested too deeply to be a rollout spec") from None
     if not isinstance(obj, dict):
         raise RequestError(f"rollout spec must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - _ROLLOUT_KEYS)
     if unknown:
         raise RequestError(
-            f"rollout spec has unknown keys {unknown}; allowed: {sorted(_ROLLOUT_KEYS)}"
+            f"rollout spec has unknown keys {clip(unknown)}; allowed: {sorted(_ROLLOUT_KEYS)}"
         )
     greedy = obj.get("greedy", False)
     if not isinstance(greedy, bool):
@@ -129,14 +150,29 @@ def parse_rollout_spec(text: str) -> RolloutSpec:
     stops = obj.get("stop_strings", [])
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("rollout spec 'stop_strings' must be a list of non-empty strings")
+    for i, stop in enumerate(stops):
+        _text(f"rollout spec 'stop_strings'[{i}]", stop)
     request_id = obj.get("request_id")
     if request_id is not None and (not isinstance(request_id, str) or not request_id):
         raise RequestError("rollout spec 'request_id' must be a non-empty string")
+    if request_id is not None:
+        _text("rollout spec 'request_id'", request_id)
     return RolloutSpec(greedy=greedy, stop_strings=tuple(stops), request_id=request_id)
 
 
 # ---------------------------------------------------------------------------
 # Rollout
+
+
+def routed_rank(request: Mapping[str, Any], start_rank: int, ranks: int) -> int | None:
+    """The engine's local data-parallel rank Dynamo's router chose
+    (``routing.dp_rank``, a global rank), or None to let the engine pick."""
+    routing = request.get("routing") or {}
+    rank = routing.get("dp_rank") if isinstance(routing, Mapping) else None
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    local = rank - start_rank
+    return local if 0 <= local < ranks else None
 
 
 def build_rollout_request(
@@ -149,6 +185,12 @@ def build_rollout_request(
         raise RequestError(
             "a rollout takes its stop strings from the rollout spec ('stop_strings'), "
             "not from the request's 'stop'"
+        )
+    sampling = request.get("sampling_options") or {}
+    if (sampling.get("n") or 1) != 1 or (sampling.get("best_of") or 1) != 1:
+        raise RequestError(
+            "a rollout has one choice (n and best_of 1): send n rollouts, each with its own "
+            "request (NeMo RL sends one request per sample)"
         )
     msg = pb.RolloutRequest(
         request_id=request_id,
@@ -185,6 +227,7 @@ def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
         },
         "routed_experts": None,
         "r3_stats": None,
+        "weight_versions": wire.encode_weight_versions(resp.weight_versions),
     }
     if resp.HasField("routed_experts"):
         out["routed_experts"] = routed_experts_wire(resp.routed_experts)
@@ -269,7 +312,7 @@ def build_generate_request(request_id: str, request: Mapping[str, Any]) -> pb.Ge
     stop_strings = stop_in.get("stop") or []
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
-    stop.stop_strings.extend(stop_strings)
+    stop.stop_strings.extend(_text(f"stop[{i}]", str(text)) for i, text in enumerate(stop_strings))
     ignore_eos = stop_in.get("ignore_eos")
     if ignore_eos is not None:
         stop.ignore_eos = bool(ignore_eos)
@@ -354,8 +397,13 @@ def generate_chunk(resp: pb.GenerateResponse) -> Chunk:
         reason = stop_reason(fin.matched_stop)
         if reason is not None:
             chunk["stop_reason"] = reason
+        engine_data: dict[str, Any] = {}
         if fin.HasField("routed_experts"):
-            chunk["engine_data"] = {"routed_experts": routed_experts_wire(fin.routed_experts)}
+            engine_data["routed_experts"] = routed_experts_wire(fin.routed_experts)
+        if fin.weight_versions:
+            engine_data["weight_versions"] = wire.encode_weight_versions(fin.weight_versions)
+        if engine_data:
+            chunk["engine_data"] = engine_data
     return chunk
 
 

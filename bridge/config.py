@@ -21,7 +21,7 @@ from dynamo.common.configuration.groups.runtime_args import (
     DynamoRuntimeArgGroup,
     DynamoRuntimeConfig,
 )
-from dynamo.common.configuration.utils import add_argument
+from dynamo.common.configuration.utils import add_argument, add_negatable_bool_argument
 from dynamo.common.utils.runtime import parse_endpoint
 from dynamo.llm import ModelInput
 
@@ -104,6 +104,26 @@ class BridgeConfig:
     # Dynamo endpoint types registered ("completions", "chat,completions"), and why.
     endpoint_types: str = "chat,completions"
     endpoint_types_reason: str = ""
+    # Dynamo's discovery backend ("file", "etcd", ...): how a lost registration heals.
+    discovery_backend: str = "etcd"
+    # How often the engine server's health is asked (with a deadline), and how
+    # long it may stay unresponsive before the requests waiting on it fail.
+    watch_interval_s: float = 0.25
+    stall_timeout_s: float | None = 10.0
+    # Deadline of one rollout (None: none; RL generations can run long).
+    rollout_timeout_s: float | None = None
+    # Exit (orderly: the worker leaves discovery) once the engine server has been
+    # unreachable this long (None: never). Set by a host that supervises the
+    # bridge, where a vanished engine server means a vanished host.
+    exit_after_engine_gone_s: float | None = None
+    # Serve Dynamo's RL admin routes on the system port (DYN_SYSTEM_PORT), and
+    # with enable_rl also describe them on the request plane ("<ns>.<component>.rl").
+    rl_routes: bool = True
+    enable_rl: bool = False
+    namespace: str = "dynamo"
+    component: str = "backend"
+    request_plane: str = "tcp"
+    event_plane: str | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_address:
@@ -114,6 +134,12 @@ class BridgeConfig:
             raise ValueError("max message size must be > 0")
         if not 0 <= self.kv_max_delay_ms <= 100:
             raise ValueError(f"KV max delay must be in [0, 100] ms, got {self.kv_max_delay_ms}")
+        if not self.watch_interval_s > 0:
+            raise ValueError(f"watch interval must be > 0 s, got {self.watch_interval_s}")
+        for name in ("stall_timeout_s", "rollout_timeout_s", "exit_after_engine_gone_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or off), got {value}")
         if self.rollout_transport not in ROLLOUT_TRANSPORTS:
             raise ValueError(
                 f"rollout transport must be one of {', '.join(ROLLOUT_TRANSPORTS)}, "
@@ -218,11 +244,62 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_argument(
         g,
+        flag_name="--engine-stall-timeout",
+        env_var="BRIDGE_ENGINE_STALL_TIMEOUT_S",
+        default=10.0,
+        arg_type=float,
+        help="Seconds the engine server may stay unresponsive (health asked every "
+        "0.25 s with a 1 s deadline) before the requests waiting on it fail with a "
+        "retryable error; 0 disables. New requests fail fast, and the worker leaves "
+        "the router's pool, as soon as it stops answering.",
+    )
+    add_argument(
+        g,
+        flag_name="--rollout-timeout",
+        env_var="BRIDGE_ROLLOUT_TIMEOUT_S",
+        default=0.0,
+        arg_type=float,
+        help="Deadline of one rollout, seconds (0: none, the default: RL generations "
+        "can run long). Past it the engine request is aborted and the rollout fails "
+        "with a retryable error.",
+    )
+    add_argument(
+        g,
+        flag_name="--exit-after-engine-gone",
+        env_var="BRIDGE_EXIT_AFTER_ENGINE_GONE_S",
+        default=0.0,
+        arg_type=float,
+        help="Exit, leaving discovery, once the engine server has been unreachable "
+        "for this many seconds (0: never, the default; a standalone bridge waits for "
+        "its engine server to come back). engine_server.host sets it for the bridges "
+        "it supervises.",
+    )
+    add_argument(
+        g,
         flag_name="--log-level",
         env_var="BRIDGE_LOG_LEVEL",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="Level of the bridge's own logger (Dynamo's follow DYN_LOG).",
+    )
+    add_negatable_bool_argument(
+        g,
+        flag_name="--enable-rl",
+        env_var="DYN_ENABLE_RL",
+        default=False,
+        help="Describe the RL admin routes on the request plane endpoint "
+        "<namespace>.<component>.rl (method 'routes'), as dynamo.vllm --enable-rl "
+        "does. The routes themselves are served on the system port either way.",
+    )
+    add_negatable_bool_argument(
+        g,
+        flag_name="--rl-routes",
+        env_var="BRIDGE_RL_ROUTES",
+        default=True,
+        help="Serve Dynamo's RL admin routes (pause_generation, "
+        "update_weights_from_disk, ...) as /engine/<name> on the system port "
+        "(DYN_SYSTEM_PORT); the bridge then fronts the port and passes every other "
+        "path to Dynamo's own system server.",
     )
     g.add_argument(
         "--component",
@@ -281,6 +358,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         kv_max_delay_ms=args.kv_max_delay_ms,
         endpoint_types=endpoint_types,
         endpoint_types_reason=why,
+        discovery_backend=str(runtime.discovery_backend),
+        stall_timeout_s=args.engine_stall_timeout or None,
+        rollout_timeout_s=args.rollout_timeout or None,
+        exit_after_engine_gone_s=args.exit_after_engine_gone or None,
+        rl_routes=args.rl_routes,
+        enable_rl=args.enable_rl,
+        namespace=runtime.namespace,
+        component=runtime.component,
+        request_plane=str(runtime.request_plane),
+        event_plane=runtime.event_plane,
     )
     worker = WorkerConfig.from_runtime_config(
         runtime,

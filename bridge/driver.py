@@ -126,6 +126,16 @@ class RolloutResult:
     instance_id: str = ""
     # The frontend's nvext.worker_id, when asked for.
     worker_id: Any = None
+    # Which weights made which tokens: (version, start, end) spans over token_ids
+    # (two or more when the rollout lived through a KEEP-mode refit); None from
+    # bridges older than wire version 2.
+    weight_versions: list[tuple[str, int, int]] | None = None
+
+    @property
+    def weight_version(self) -> str | None:
+        """The one version that made every token (None when several did, or unknown)."""
+        versions = {span[0] for span in self.weight_versions or ()}
+        return versions.pop() if len(versions) == 1 else None
 
     @classmethod
     def nothing_generated(cls, prompt_tokens: int) -> RolloutResult:
@@ -204,9 +214,10 @@ def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
     obj = engine_data[wire.WIRE_KEY]
     if not isinstance(obj, Mapping):
         raise WireError("nvext.engine_data.rollout is not an object")
-    if obj.get("version") != wire.WIRE_VERSION:
+    if obj.get("version") not in wire.READABLE_WIRE_VERSIONS:
         raise WireError(
-            f"rollout wire version {obj.get('version')!r}, expected {wire.WIRE_VERSION}"
+            f"rollout wire version {obj.get('version')!r}, expected one of "
+            f"{sorted(wire.READABLE_WIRE_VERSIONS)}"
         )
     unknown = sorted(set(obj) - wire.WIRE_KEYS)
     if unknown:
@@ -226,6 +237,7 @@ def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
     if obj.get("routed_experts") is not None:
         experts = RoutedExperts(*wire.decode_routed_experts(obj["routed_experts"]))
     r3 = obj.get("r3_stats")
+    spans = obj.get("weight_versions")
     return RolloutResult(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -238,6 +250,9 @@ def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
         request_id=str(obj.get("request_id", "")),
         instance_id=str(obj.get("instance_id", "")),
         worker_id=nvext.get("worker_id"),
+        weight_versions=(
+            wire.decode_weight_versions(spans, len(token_ids)) if spans is not None else None
+        ),
     )
 
 

@@ -1,14 +1,19 @@
 """BridgeEngine: a Dynamo LLMEngine that forwards every request to one engine server.
 
 Thin glue: request mapping lives in ``codec``, transport in ``client``, error
-mapping in ``errors``, KV events in ``kv_relay``.
+mapping in ``errors``, KV events in ``kv_relay``/``kv_view``, the engine
+server's liveness in ``engine_watch``, and the worker's place in discovery in
+``registration``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
+import signal
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,12 +34,18 @@ from dynamo.common.utils.token_ids import normalize_request_token_ids
 
 import engine_contract
 from bridge import codec, errors
-from bridge.client import EngineClient, IncompatibleServerError
+from bridge.client import EngineClient, IncompatibleServerError, check_compatible
 from bridge.config import BridgeConfig, parse_args
+from bridge.engine_watch import EngineWatch
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
+from bridge.registration import EXIT_REGISTRATION_LOST, Registration
+from bridge.rl_admin import RlAdmin
+from bridge.rl_endpoint import RlEndpoint
 from bridge.rollout_mux import PendingRollout
+from bridge.swap import unfollowable_changes
+from bridge.system_server import SystemPort, SystemServer
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,13 +66,15 @@ class _InFlight:
     request_id: str
     call: _Call | None = None
     aborted: bool = False
+    # Failed by the bridge itself: the engine server stopped answering.
+    stalled: bool = False
 
 
 class BridgeEngine(LLMEngine):
     """Dynamo's side of one engine server: registers what the server reports, relays
     its KV events, and turns each Dynamo request into one Rollout or Generate call."""
 
-    def __init__(self, config: BridgeConfig) -> None:
+    def __init__(self, config: BridgeConfig, system_port: SystemPort | None = None) -> None:
         self.config = config
         self._client: EngineClient | None = None
         self._relay: KvRelay | None = None
@@ -71,26 +84,57 @@ class BridgeEngine(LLMEngine):
         self._inflight: dict[str, _InFlight] = {}
         self._closed = False
         self._stream_rollouts = False
+        self._watch: EngineWatch | None = None
+        self.registration = Registration(config.discovery_backend, on_lost=self._registration_lost)
+        self._worker_id = 0
+        # What the process exits with (bridge.__main__): non-zero when the bridge
+        # gave up on its registration, so that a supervisor restarts it.
+        self.exit_code = 0
+        self.rl_admin = RlAdmin(lambda: self._client, self.registration, self._engine_request_id)
+        self._system = (
+            SystemServer(system_port, self.rl_admin.routes()) if system_port is not None else None
+        )
+        self._rl_endpoint: RlEndpoint | None = None
+        # Why the engine server now at our address cannot be served (registration
+        # mismatch), if so: out of the pool until a fitting one is back.
+        self.unservable: str | None = None
+        self._refreshing: asyncio.Task[None] | None = None
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[BridgeEngine, WorkerConfig]:
         bridge_config, worker_config = parse_args(argv)
         configure_bridge_logging(bridge_config.log_level)
-        return cls(bridge_config), worker_config
+        # Before Dynamo's runtime starts: it must find its system port moved inside.
+        system_port = SystemPort.claim() if bridge_config.rl_routes else None
+        return cls(bridge_config, system_port), worker_config
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self, worker_id: int) -> EngineConfig:
         cfg = self.config
+        if self._system is not None:
+            await self._system.start()
         log.info(
             "worker %s: connecting to engine server at %s (waiting up to %.0fs)",
             worker_id,
             cfg.engine_address,
             cfg.connect_timeout_s,
         )
+        self._worker_id = worker_id
         self._client = EngineClient(cfg.engine_address, cfg.client)
         info = await self._client.wait_ready(cfg.connect_timeout_s)
+        self._watch = EngineWatch(
+            self._client,
+            self._engine_changed,
+            interval_s=cfg.watch_interval_s,
+            stall_timeout_s=cfg.stall_timeout_s,
+            on_stalled=self._fail_stalled,
+            gone_after_s=cfg.exit_after_engine_gone_s,
+            on_gone=self._engine_gone,
+        )
+        self._watch.start()
         self.info, self.instance_id = info, info.instance_id
+        self._registered = info  # what Dynamo is told; a replacement must fit it
         self._client.use_server_limits(info)
         self._stream_rollouts = self._choose_rollout_transport(info)
         ec = info.engine_config
@@ -116,6 +160,8 @@ class BridgeEngine(LLMEngine):
                 total_kv_blocks=ec.total_kv_blocks or None,
                 max_num_seqs=ec.max_running_sequences or None,
                 max_num_batched_tokens=ec.max_batched_tokens or None,
+                data_parallel_size=max(1, ec.data_parallel_size),
+                data_parallel_start_rank=ec.data_parallel_start_rank,
             ),
         )
 
@@ -138,14 +184,120 @@ class BridgeEngine(LLMEngine):
         block_size = self.info.engine_config.kv_block_size
         if block_size <= 0:
             return []
+        ec = self.info.engine_config
+        ranks = max(1, ec.data_parallel_size)
         view = RouterView(
             block_size,
+            ranks=ranks,
             on_instance_change=self._set_instance,
             max_delay_ms=self.config.kv_max_delay_ms,
         )
-        self._relay = KvRelay(self._client, view)
-        self._relay.start()
-        return [PushSource(on_ready=self._relay.on_ready, dp_rank=0)]
+        relay = self._relay = KvRelay(self._client, view)
+        relay.start()
+        # One source per rank: the router tells the ranks' caches apart.
+        return [
+            PushSource(
+                on_ready=functools.partial(relay.on_ready, rank=r),
+                dp_rank=ec.data_parallel_start_rank + r,
+            )
+            for r in range(ranks)
+        ]
+
+    async def on_endpoint_ready(self, endpoint: Any) -> None:
+        """The served endpoint: from now on the bridge keeps it in discovery as the
+        engine's health says, and heals a registration discovery dropped."""
+        self.registration.start(endpoint, self._worker_id)
+        if self.config.enable_rl:
+            system_url = self._system.address.url if self._system is not None else None
+            self._rl_endpoint = RlEndpoint(self.config, self.rl_admin.routes(), system_url)
+            self._rl_endpoint.start()
+
+    async def _engine_changed(self, serving: bool, reason: str) -> None:
+        if serving:
+            await self._refresh_info()  # maybe another instance: adapt, or stay out
+            if self.unservable is None:
+                await self.registration.rejoin(reason)
+        else:
+            await self.registration.leave(reason)
+
+    async def _refresh_info(self) -> None:
+        """Re-read the engine server's info; adapt to a new instance, or leave the
+        pool (loudly) when Dynamo's registration cannot follow what changed."""
+        client, old = self._client, self.info
+        if client is None or old is None:
+            return
+        try:
+            info = await client.server_info()
+            check_compatible(info, client.address)
+        except grpc.aio.AioRpcError:
+            return  # not answering (yet): the watch will tell
+        except IncompatibleServerError as e:
+            await self._refuse(str(e))
+            return
+        if info.instance_id == old.instance_id and self.unservable is None:
+            return
+        changes = unfollowable_changes(
+            self._registered,
+            info,
+            name_pinned=bool(self.config.served_model_name),
+            kv_routing=self.config.kv_events,
+        )
+        if changes:
+            await self._refuse(
+                f"the engine server at {client.address} (instance {info.instance_id}) differs "
+                f"from what this worker registered: {'; '.join(changes)}. Dynamo cannot follow "
+                "that; restart the bridge to register it"
+            )
+            return
+        if self.unservable is not None:
+            log.info("a fitting engine server is back at %s", client.address)
+        self.unservable = None
+        self.info, self.instance_id = info, info.instance_id
+        client.use_server_limits(info)
+        self._stream_rollouts = self._choose_rollout_transport(info)
+        log.info(
+            "engine server replaced: instance %s -> %s (%s %s, contract %d, rollouts %s)",
+            old.instance_id,
+            info.instance_id,
+            info.backend_name,
+            info.backend_version,
+            info.contract_revision,
+            "multiplexed on a stream" if self._stream_rollouts else "one call each",
+        )
+
+    async def _refuse(self, why: str) -> None:
+        if self.unservable != why:
+            log.error("%s; out of the router's pool", why)
+        self.unservable = why
+        await self.registration.leave(why)
+
+    def _fail_stalled(self) -> None:
+        """The engine server has not answered for the stall timeout: fail what waits
+        on it (retryable), so that nothing hangs until TCP keepalive gives up."""
+        stuck = [e for e in self._inflight.values() if e.call is not None and not e.call.done()]
+        for entry in stuck:
+            entry.stalled = True
+            if entry.call is not None:
+                entry.call.cancel()
+        log.error(
+            "engine server at %s unresponsive for %.0fs: failed %d requests waiting on it "
+            "(retryable)",
+            self.config.engine_address,
+            self.config.stall_timeout_s or 0,
+            len(stuck),
+        )
+
+    def _engine_gone(self) -> None:
+        log.error(
+            "engine server at %s unreachable for %.0fs: exiting (--exit-after-engine-gone)",
+            self.config.engine_address,
+            self.config.exit_after_engine_gone_s or 0,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)  # Dynamo's orderly shutdown: leave discovery
+
+    def _registration_lost(self) -> None:
+        self.exit_code = EXIT_REGISTRATION_LOST
+        os.kill(os.getpid(), signal.SIGTERM)  # Dynamo's orderly shutdown, then exit 75
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         """Dynamo's canary (on with ``DYN_HEALTH_CHECK_ENABLED``, shown on the
@@ -159,6 +311,19 @@ class BridgeEngine(LLMEngine):
         if self._closed:
             return
         self._closed = True
+        await self.registration.stop()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
+        rl_endpoint, self._rl_endpoint = self._rl_endpoint, None
+        if rl_endpoint is not None:
+            await rl_endpoint.stop()
+        system, self._system = self._system, None
+        if system is not None:
+            await system.stop()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            await watch.stop()
         relay, self._relay = self._relay, None
         if relay is not None:
             await relay.stop()
@@ -171,9 +336,13 @@ class BridgeEngine(LLMEngine):
         log.info("bridge cleaned up")
 
     def _set_instance(self, instance_id: str) -> None:
+        """The KV stream shows another instance: re-read what it is (at once: a fast
+        restart may never fail a health probe)."""
         if instance_id != self.instance_id:
             log.info("engine server restarted: instance %s -> %s", self.instance_id, instance_id)
             self.instance_id = instance_id
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.ensure_future(self._refresh_info())
 
     # -- requests ----------------------------------------------------------
 
@@ -195,6 +364,10 @@ class BridgeEngine(LLMEngine):
         client = self._client
         if client is None:
             raise errors.to_dynamo(grpc.aio.UsageError("the bridge is not started or closed"))
+        watch = self._watch
+        if self.unservable is not None or (watch is not None and not watch.serving):
+            # Wedged or gone: fail now (migratable) rather than wait on it.
+            raise errors.engine_not_serving(self.config.engine_address)
         context_id = context.id()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -234,18 +407,31 @@ class BridgeEngine(LLMEngine):
     ) -> AsyncGenerator[codec.Chunk, None]:
         try:
             message = codec.build_rollout_request(entry.request_id, request, spec)
+            rank = self._routed_rank(request)
+            if rank is not None:
+                message.data_parallel_rank = rank
             call: PendingRollout | grpc.aio.UnaryUnaryCall = (
                 client.stream_rollout(message) if self._stream_rollouts else client.rollout(message)
             )
             entry.call = call
-            response = await call
+            timeout = self.config.rollout_timeout_s
+            try:
+                async with asyncio.timeout(timeout):
+                    response = await call
+            except TimeoutError:
+                call.cancel()
+                raise errors.rollout_timed_out(timeout) from None
             chunk = codec.rollout_chunk(response)
         except asyncio.CancelledError:
+            if entry.stalled:
+                raise errors.engine_not_serving(self.config.engine_address) from None
             if not entry.aborted:
                 raise
             yield codec.cancelled_chunk(len(request["token_ids"]))
             return
         except Exception as e:
+            if entry.stalled and _is_cancelled(e):
+                raise errors.engine_not_serving(self.config.engine_address) from e
             if entry.aborted and _is_cancelled(e):
                 yield codec.cancelled_chunk(len(request["token_ids"]))
                 return
@@ -259,6 +445,9 @@ class BridgeEngine(LLMEngine):
         generated = 0
         try:
             message = codec.build_generate_request(entry.request_id, request)
+            rank = self._routed_rank(request)
+            if rank is not None:
+                message.data_parallel_rank = rank
             call = client.generate(message)
             entry.call = call
             async for response in call:
@@ -268,9 +457,13 @@ class BridgeEngine(LLMEngine):
                 if "finish_reason" in chunk:
                     return
         except asyncio.CancelledError:
+            if entry.stalled:
+                raise errors.engine_not_serving(self.config.engine_address) from None
             if not entry.aborted:
                 raise
         except Exception as e:
+            if entry.stalled and _is_cancelled(e):
+                raise errors.engine_not_serving(self.config.engine_address) from e
             if not (entry.aborted and _is_cancelled(e)):
                 raise errors.to_dynamo(e) from e
         if entry.aborted:
@@ -295,6 +488,18 @@ class BridgeEngine(LLMEngine):
             log.warning("abort %s failed: %s: %s", entry.request_id, e.code().name, e.details())
         except grpc.aio.UsageError:
             log.debug("abort %s: channel closed (shutting down)", entry.request_id)
+
+    def _routed_rank(self, request: GenerateRequest) -> int | None:
+        info = self.info
+        if info is None or info.engine_config.data_parallel_size <= 1:
+            return None
+        ec = info.engine_config
+        return codec.routed_rank(request, ec.data_parallel_start_rank, ec.data_parallel_size)
+
+    def _engine_request_id(self, request_id: str) -> str:
+        """The engine request a Dynamo request id runs as (the same id otherwise)."""
+        entry = self._inflight.get(request_id)
+        return entry.request_id if entry is not None else request_id
 
     # -- introspection (tests, tools) ---------------------------------------
 

@@ -25,6 +25,7 @@ from dynamo.llm.exceptions import (
 )
 
 from bridge.codec import ProtocolError, RequestError
+from engine_contract.retry import LIMIT_TRAILER
 
 # Every gRPC status code, so a code nobody expected still has a considered answer
 # (tests/bridge/test_errors.py checks completeness).
@@ -59,6 +60,10 @@ STATUS_TO_DYNAMO: dict[grpc.StatusCode, type[DynamoException]] = {
 }
 
 
+# An engine server at one of its admission limits (RESOURCE_EXHAUSTED naming
+# it): another worker, or this one later, may well serve the request.
+CAPACITY: type[DynamoException] = Disconnected
+
 # What Dynamo migrates to another worker (frontend --migration-limit > 0).
 MIGRATABLE: tuple[type[DynamoException], ...] = (
     Disconnected,
@@ -72,11 +77,21 @@ def from_rpc_error(err: grpc.aio.AioRpcError) -> DynamoException:
     """The Dynamo exception for a failed RPC; the engine's message is kept."""
     code = err.code()
     kind = STATUS_TO_DYNAMO.get(code, Unknown)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _limit(err):
+        # A capacity refusal, not a request too big: retryable, so migratable.
+        kind = CAPACITY
     details = err.details() or ""
     if kind is InvalidArgument:
         # Shown to the HTTP client as is: the engine's message names the field.
         return InvalidArgument(details or code.name)
     return kind(f"engine server: {code.name}: {details}".rstrip(": "))
+
+
+def _limit(err: grpc.aio.AioRpcError) -> str:
+    for key, value in err.trailing_metadata() or ():
+        if key == LIMIT_TRAILER:
+            return str(value)
+    return ""
 
 
 def to_dynamo(exc: BaseException) -> DynamoException:
@@ -105,3 +120,8 @@ def stream_ended_early() -> DynamoException:
 def engine_not_serving(address: str) -> DynamoException:
     """The engine server is down or not SERVING (health probe): migratable."""
     return Disconnected(f"engine server at {address} is not serving")
+
+
+def rollout_timed_out(timeout_s: float | None) -> DynamoException:
+    """--rollout-timeout passed: the engine request was cancelled (retryable)."""
+    return ConnectionTimeout(f"rollout did not finish within {timeout_s:g}s (--rollout-timeout)")

@@ -44,12 +44,13 @@ class KvRelay:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.create_task(self._run(), name="kv-relay")
 
-    def on_ready(self, publisher: Any) -> None:
-        """PushSource callback; may come from a runtime thread, so hop onto our loop."""
+    def on_ready(self, publisher: Any, rank: int = 0) -> None:
+        """PushSource callback (one per data-parallel rank); may come from a runtime
+        thread, so hop onto our loop."""
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.view.set_publisher, publisher)
+            self._loop.call_soon_threadsafe(self.view.set_publisher, publisher, rank)
         else:
-            self.view.set_publisher(publisher)
+            self.view.set_publisher(publisher, rank)
 
     async def stop(self) -> None:
         """Stop the stream; safe to call twice or without start()."""

@@ -15,6 +15,9 @@ from the gRPC stream; the one-process benchmark feeds it directly.
   (AllBlocksCleared, or a new engine instance id) is ``publish_removed`` of
   every hash published and not removed.
 - Engine hashes are unsigned 64-bit; Dynamo wants signed int64.
+- Data-parallel ranks: each batch says its rank, and its events go to that
+  rank's publisher only (one ``PushSource`` per rank); a clear clears that
+  rank's blocks; a new engine instance clears every rank's.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Verdict(enum.Enum):
     RESYNC = "resync"  # a gap or a stray batch: subscribe again from our position
 
 
-Event = tuple[str, dict[str, Any]]
+Event = tuple[int, str, dict[str, Any]]  # (rank, kind, publish kwargs)
 
 
 class RouterView:
@@ -61,6 +64,7 @@ class RouterView:
         self,
         block_size: int,
         *,
+        ranks: int = 1,
         on_instance_change: Callable[[str], None] | None = None,
         on_resync: Callable[[], None] | None = None,
         max_buffered: int = 100_000,
@@ -76,11 +80,12 @@ class RouterView:
         # revision 2; older ones send one each): fewer messages to pay for.
         self._max_batches_per_message = max_batches_per_message
         self._max_delay_ms = max_delay_ms
+        self.ranks = ranks
         self.instance_id: str | None = None
         self.last_seq: int | None = None
-        # Signed hashes published (or buffered) and not removed since.
-        self.known: set[int] = set()
-        self._publisher: KvPublisher | None = None
+        # Per rank, signed hashes published (or buffered) and not removed since.
+        self.known_by_rank: dict[int, set[int]] = {r: set() for r in range(ranks)}
+        self._publishers: dict[int, KvPublisher] = {}
         self._pending: list[Event] = []
         # While a batch is applied, its events collect here and go to Dynamo in
         # one publish_batch call (one crossing into Dynamo's runtime per batch).
@@ -89,37 +94,45 @@ class RouterView:
         self._snapshot_next: int | None = None
         self.batches_applied = 0
 
+    @property
+    def known(self) -> set[int]:
+        """Every rank's published hashes."""
+        return set().union(*self.known_by_rank.values())
+
     # -- publisher ---------------------------------------------------------
 
-    def set_publisher(self, publisher: KvPublisher) -> None:
-        self._publisher = publisher
-        pending, self._pending = self._pending, []
-        self._publish_all(publisher, pending)
-        log.info("kv relay: publisher ready, %d buffered events sent", len(pending))
-        if self._overflowed:
+    def set_publisher(self, publisher: KvPublisher, rank: int = 0) -> None:
+        self._publishers[rank] = publisher
+        mine = [e for e in self._pending if e[0] == rank]
+        self._pending = [e for e in self._pending if e[0] != rank]
+        self._publish_all(publisher, mine)
+        log.info("kv relay: rank %d publisher ready, %d buffered events sent", rank, len(mine))
+        if self._overflowed and len(self._publishers) == self.ranks:
             # What overflowed is lost: start over from a snapshot.
             self._overflowed = False
             self.reset_position()
             if self.on_resync is not None:
                 self.on_resync()
 
-    def _emit(self, kind: str, kwargs: dict[str, Any]) -> None:
-        if self._publisher is not None:
+    def _emit(self, rank: int, kind: str, kwargs: dict[str, Any]) -> None:
+        publisher = self._publishers.get(rank)
+        if publisher is not None:
             if self._outbox is not None:
-                self._outbox.append((kind, kwargs))
+                self._outbox.append((rank, kind, kwargs))
             else:
-                _publish(self._publisher, kind, kwargs)
+                _publish(publisher, kind, kwargs)
             return
         if self._overflowed:
             return
-        self._pending.append((kind, kwargs))
+        self._pending.append((rank, kind, kwargs))
         if len(self._pending) > self._max_buffered:
             log.warning(
-                "kv relay: over %d events before the publisher came; dropping them",
+                "kv relay: over %d events before the publishers came; dropping them",
                 self._max_buffered,
             )
             self._pending.clear()
-            self.known.clear()
+            for known in self.known_by_rank.values():
+                known.clear()
             self._overflowed = True
 
     @staticmethod
@@ -130,11 +143,11 @@ class RouterView:
         if publish_batch is not None and len(events) > 1:
             try:
                 # The publisher validates the whole list before it enqueues any of it.
-                publish_batch([{"type": kind, **kwargs} for kind, kwargs in events])
+                publish_batch([{"type": kind, **kwargs} for _, kind, kwargs in events])
                 return
             except Exception:
                 log.warning("kv relay: publish_batch failed; publishing one by one", exc_info=True)
-        for kind, kwargs in events:
+        for _, kind, kwargs in events:
             _publish(publisher, kind, kwargs)
 
     # -- events ------------------------------------------------------------
@@ -177,11 +190,13 @@ class RouterView:
             return Verdict.APPLIED if applied else Verdict.STALE
         finally:
             outbox, self._outbox = self._outbox, None
-            if outbox and self._publisher is not None:
-                self._publish_all(self._publisher, outbox)
+            for rank, publisher in self._publishers.items():
+                mine = [e for e in outbox or () if e[0] == rank]
+                if mine:
+                    self._publish_all(publisher, mine)
 
     def _apply_batch(self, batch: pb.KvEventBatch) -> Verdict:
-        if self._overflowed and self._publisher is None:
+        if self._overflowed and len(self._publishers) < self.ranks:
             return Verdict.STALE
         if batch.instance_id != self.instance_id:
             self._new_instance(batch.instance_id)
@@ -205,13 +220,21 @@ class RouterView:
             elif seq != self.last_seq + 1:
                 log.warning("kv relay: gap after batch %d (got %d); resuming", self.last_seq, seq)
                 return Verdict.RESYNC
-        for event in batch.events:
-            self._apply_event(event)
+        rank = batch.data_parallel_rank
+        if 0 <= rank < self.ranks:
+            for event in batch.events:
+                self._apply_event(rank, event)
+        else:
+            log.warning(
+                "kv relay: a batch of rank %d from an engine of %d ranks; skipped",
+                rank,
+                self.ranks,
+            )
         self.last_seq = seq
         self.batches_applied += 1
         return Verdict.APPLIED
 
-    def _apply_event(self, event: pb.KvEvent) -> None:
+    def _apply_event(self, rank: int, event: pb.KvEvent) -> None:
         which = event.WhichOneof("event")
         if which == "stored":
             stored = event.stored
@@ -227,8 +250,9 @@ class RouterView:
                     size,
                 )
                 return
-            self.known.update(hashes)
+            self.known_by_rank[rank].update(hashes)
             self._emit(
+                rank,
                 "stored",
                 {
                     "token_ids": list(stored.token_ids),
@@ -245,19 +269,22 @@ class RouterView:
         elif which == "removed":
             hashes = [to_signed(h) for h in event.removed.block_hashes]
             if hashes:
-                self.known.difference_update(hashes)
-                self._emit("removed", {"block_hashes": hashes})
+                self.known_by_rank[rank].difference_update(hashes)
+                self._emit(rank, "removed", {"block_hashes": hashes})
         elif which == "cleared":
-            self.clear()
+            self.clear(rank)
 
-    def clear(self) -> None:
-        """Drop this worker's blocks from the router's view (no clear-all in Dynamo 1.6.1)."""
-        if self._publisher is None:
-            # Nothing reached Dynamo yet: forgetting the buffer is the same thing.
-            self._pending.clear()
-        elif self.known:
-            self._emit("removed", {"block_hashes": sorted(self.known)})
-        self.known.clear()
+    def clear(self, rank: int | None = None) -> None:
+        """Drop this worker's blocks (of one rank, or all) from the router's view
+        (no clear-all in Dynamo 1.6.1)."""
+        for r in range(self.ranks) if rank is None else (rank,):
+            known = self.known_by_rank[r]
+            if r not in self._publishers:
+                # Nothing reached Dynamo yet: forgetting the buffer is the same thing.
+                self._pending = [e for e in self._pending if e[0] != r]
+            elif known:
+                self._emit(r, "removed", {"block_hashes": sorted(known)})
+            known.clear()
 
     def _new_instance(self, instance_id: str) -> None:
         if self.instance_id is not None:

@@ -9,6 +9,12 @@ A rollout behaves like a Rollout call: await it for the answer or a
 aborted. A broken stream fails the rollouts on it the way their calls would
 have failed (UNAVAILABLE when the server went away), and the next rollout
 opens a new stream.
+
+The server's announced limits are respected here rather than tripped over:
+at most ``max_starts`` starts go in one message and at most ``max_in_flight``
+rollouts run on the stream; the rest wait in the bridge, up to as many again,
+and a rollout beyond that fails at once with RESOURCE_EXHAUSTED naming the
+limit (retryable: Dynamo sends it to another worker).
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from engine_contract.retry import LIMIT_TRAILER
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,14 +41,16 @@ _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 OpenStream = Callable[[], "grpc.aio.StreamStreamCall[pb.RolloutsRequest, pb.RolloutsResponse]"]
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """An error like the one a failed call raises, so callers handle both alike."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def rpc_error(code: grpc.StatusCode, details: str, limit: str = "") -> grpc.aio.AioRpcError:
+    """An error like the one a failed call raises, so callers handle both alike
+    (``limit``: the admission limit named in its trailing metadata)."""
+    trailer = grpc.aio.Metadata((LIMIT_TRAILER, limit)) if limit else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailer, details=details)
 
 
 def _result_error(error: pb.RolloutError) -> grpc.aio.AioRpcError:
     code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
-    return rpc_error(code, error.message)
+    return rpc_error(code, error.message, error.limit)
 
 
 class PendingRollout:
@@ -65,10 +75,13 @@ class PendingRollout:
 class _Stream:
     """One Rollouts call and the rollouts waiting on it."""
 
-    def __init__(self, call: Any, max_message_bytes: int) -> None:
+    def __init__(self, call: Any, max_message_bytes: int, limits: StreamLimits) -> None:
         self.call = call
         self._limit = max_message_bytes
+        self._limits = limits
         self.pending: dict[int, asyncio.Future[pb.RolloutResponse]] = {}
+        # Sent and not answered (nor cancelled): what the server holds for us.
+        self._sent: set[int] = set()
         self._starts: list[tuple[int, int, pb.RolloutRequest]] = []
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
@@ -84,6 +97,15 @@ class _Stream:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"rollout request of {size} bytes is over the engine server's message "
                 f"limit of {self._limit} bytes",
+            )
+        most = self._limits.max_in_flight
+        if most and len(self._starts) >= most:
+            raise rpc_error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"max_rollouts_per_stream: {len(self._sent)} rollouts run on the engine "
+                f"server's stream (its limit) and {len(self._starts)} more wait in the bridge; "
+                "try again later or on another worker",
+                "max_rollouts_per_stream",
             )
         future: asyncio.Future[pb.RolloutResponse] = asyncio.get_running_loop().create_future()
         self.pending[tag] = future
@@ -101,6 +123,7 @@ class _Stream:
             if unsent == tag:  # never sent: nothing to cancel on the server
                 del self._starts[i]
                 return
+        self._sent.discard(tag)
         self._cancels.append(tag)
         self._wake.set()
 
@@ -109,7 +132,7 @@ class _Stream:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._starts or self._cancels:
+                while self._cancels or (self._starts and self._room()):
                     await self.call.write(self._take_batch())
         except asyncio.CancelledError:
             raise
@@ -119,12 +142,22 @@ class _Stream:
             log.debug("rollouts stream: write failed: %r", e)
             self.call.cancel()
 
+    def _room(self) -> int:
+        """Starts the next message may carry under the server's limits."""
+        limits = self._limits
+        room = len(self._starts)
+        if limits.max_starts:
+            room = min(room, limits.max_starts)
+        if limits.max_in_flight:
+            room = min(room, max(0, limits.max_in_flight - len(self._sent)))
+        return room
+
     def _take_batch(self) -> pb.RolloutsRequest:
         message = pb.RolloutsRequest(cancel=self._cancels)
         self._cancels = []
         total = len(message.cancel) * 11
-        n = 0
-        for size, _, _ in self._starts:
+        n, room = 0, self._room()
+        for size, _, _ in self._starts[:room]:
             if n and total + size > self._limit:
                 break
             total += size
@@ -133,6 +166,7 @@ class _Stream:
         add = message.start.add
         for _, tag, request in batch:
             add(tag=tag, rollout=request)
+            self._sent.add(tag)
         return message
 
     async def _read(self) -> None:
@@ -141,6 +175,7 @@ class _Stream:
             async for message in self.call:
                 pending = self.pending
                 for result in message.results:
+                    self._sent.discard(result.tag)
                     future = pending.pop(result.tag, None)
                     if future is None or future.done():
                         continue  # cancelled meanwhile
@@ -148,6 +183,8 @@ class _Stream:
                         future.set_result(result.response)
                     else:
                         future.set_exception(_result_error(result.error))
+                if self._starts:  # answers make room for what waits
+                    self._wake.set()
             error = rpc_error(
                 grpc.StatusCode.UNAVAILABLE, "engine server ended the rollouts stream"
             )
@@ -183,12 +220,21 @@ class _Stream:
             await asyncio.gather(self._reader, self._writer, return_exceptions=True)
 
 
+@dataclass
+class StreamLimits:
+    """The engine server's announced limits on one stream (0: none)."""
+
+    max_starts: int = 0
+    max_in_flight: int = 0
+
+
 class RolloutMux:
     """Starts rollouts on a Rollouts stream it opens on demand (``open_stream``)."""
 
     def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
         self._open = open_stream
         self.max_message_bytes = max_message_bytes
+        self.limits = StreamLimits()
         self._stream: _Stream | None = None
         self._next_tag = 1
         self._closed = False
@@ -199,7 +245,7 @@ class RolloutMux:
             raise grpc.aio.UsageError("the rollouts stream is closed")
         stream = self._stream
         if stream is None or stream.dead:
-            stream = self._stream = _Stream(self._open(), self.max_message_bytes)
+            stream = self._stream = _Stream(self._open(), self.max_message_bytes, self.limits)
         tag = self._next_tag
         self._next_tag += 1
         return stream.start(tag, request)

@@ -21,7 +21,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 WIRE_KEY = "rollout"
-WIRE_VERSION = 1
+# 2 added "weight_versions"; this driver reads both, but a driver of wire 1
+# refuses wire 2 (it checked the version exactly): upgrade drivers with bridges.
+WIRE_VERSION = 2
+READABLE_WIRE_VERSIONS = frozenset({1, 2})
 
 # What a non-finite logprob (-inf, +inf, NaN) becomes on the wire.
 LOGPROB_FLOOR = -9999.0
@@ -53,6 +56,7 @@ WIRE_KEYS = frozenset(
         "usage",
         "routed_experts",
         "r3_stats",
+        "weight_versions",
     }
 )
 
@@ -98,3 +102,26 @@ def check_routed_experts(nbytes: int, dtype: str, shape: Sequence[int]) -> None:
         raise WireError(
             f"routed_experts holds {nbytes} bytes, shape {list(shape)} of {dtype} needs {expected}"
         )
+
+
+def encode_weight_versions(spans: Iterable[Any]) -> list[dict[str, Any]]:
+    """Contract WeightVersionSpans as ``[{version, start, end}, ...]``."""
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
+
+
+def decode_weight_versions(value: Any, tokens: int) -> list[tuple[str, int, int]]:
+    """Inverse of ``encode_weight_versions``: spans that tile ``[0, tokens)`` in order."""
+    if not isinstance(value, list):
+        raise WireError("weight_versions must be a list")
+    spans: list[tuple[str, int, int]] = []
+    for item in value:
+        try:
+            span = (str(item["version"]), int(item["start"]), int(item["end"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"malformed weight_versions entry {item!r}") from e
+        if span[1] != (spans[-1][2] if spans else 0) or span[2] < span[1]:
+            raise WireError(f"weight_versions spans do not tile the tokens: {value!r}")
+        spans.append(span)
+    if spans and spans[-1][2] != tokens:
+        raise WireError(f"weight_versions end at {spans[-1][2]}, the rollout has {tokens} tokens")
+    return spans

@@ -13,7 +13,13 @@ this file and ``v1/__init__.py`` are written by hand.
 #      SubscribeKvEvents may pack several batches into one message.
 #   3  GenerationDefaults carry the config's stop strings, ignore_eos and
 #      bad_words; a rollout whose prompt fills the context generates nothing
-#      instead of failing.
+#      instead of failing. Admission limits announced in ServerLimits, and a
+#      capacity refusal names its limit (RolloutError.limit, the
+#      engine-contract-limit trailer): retryable, unlike "message too big".
+#      The refit cycle (pause/resume, weight updates from a path, streamed
+#      tensors or a weight-transfer engine, weight versions, sleep/wake),
+#      rl_capabilities and refit_state, weight_versions spans on every result.
+#      Data-parallel ranks: a request may name its rank; data_parallel_start_rank.
 CONTRACT_REVISION = 3
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1

@@ -23,5 +23,16 @@ RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
 )
 
 
-def is_retryable(code: grpc.StatusCode) -> bool:
+# RESOURCE_EXHAUSTED is retryable exactly when it names the admission limit that
+# refused the request: in this trailing-metadata key of a failed call, or in
+# RolloutError.limit on a Rollouts stream. Without it, the message was over the
+# size limit, and sending it again fails again.
+LIMIT_TRAILER = "engine-contract-limit"
+
+
+def is_retryable(code: grpc.StatusCode, limit: str = "") -> bool:
+    """Whether the same request may succeed if sent again (``limit``: the admission
+    limit a RESOURCE_EXHAUSTED named, if any)."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return bool(limit)
     return code in RETRYABLE_CODES

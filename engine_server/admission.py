@@ -40,10 +40,14 @@ def resolve_defaults(defaults: GenerationDefaults, info: EngineInfo) -> Generati
 def check_request_id(request_id: str, limits: Limits) -> None:
     if not request_id:
         raise InvalidRequest("request_id", "must not be empty")
-    if len(request_id) > limits.max_request_id_length:
+    check_id_length("request_id", request_id, limits)
+
+
+def check_id_length(field: str, value: str, limits: Limits) -> None:
+    """Every id a request carries is bounded (and never echoed whole)."""
+    if len(value) > limits.max_request_id_length:
         raise InvalidRequest(
-            "request_id",
-            f"{len(request_id)} characters, more than the limit of {limits.max_request_id_length}",
+            field, f"{len(value)} characters, more than the limit of {limits.max_request_id_length}"
         )
 
 
@@ -108,6 +112,21 @@ def routed_experts_wanted(field: str, mode: int, info: EngineInfo) -> bool:
     raise InvalidRequest(field, f"unknown RoutedExpertsMode value {mode}")
 
 
+def data_parallel_rank(
+    request: pb.RolloutRequest | pb.GenerateRequest, info: EngineInfo
+) -> int | None:
+    """The rank the request names (None: the engine picks), checked."""
+    if not request.HasField("data_parallel_rank"):
+        return None
+    rank = request.data_parallel_rank
+    if not 0 <= rank < info.data_parallel_size:
+        raise InvalidRequest(
+            "data_parallel_rank",
+            f"{rank} is outside [0, {info.data_parallel_size}) (the ranks this server hosts)",
+        )
+    return rank
+
+
 def plan_rollout(
     request: pb.RolloutRequest, info: EngineInfo, defaults: GenerationDefaults, limits: Limits
 ) -> Plan:
@@ -147,6 +166,7 @@ def plan_rollout(
         include_stop_str_in_output=True,
         logprobs=0,
         return_routed_experts=routed_experts_wanted("routed_experts", request.routed_experts, info),
+        data_parallel_rank=data_parallel_rank(request, info),
     )
     return Plan(request.request_id, prompt, spec)
 
@@ -244,5 +264,6 @@ def plan_generate(request: pb.GenerateRequest, info: EngineInfo, limits: Limits)
         return_routed_experts=routed_experts_wanted(
             "output.routed_experts", output.routed_experts, info
         ),
+        data_parallel_rank=data_parallel_rank(request, info),
     )
     return Plan(request.request_id, prompt, spec)

@@ -24,6 +24,20 @@ from engine_server.server import EngineServerHandle, start_server
 
 log = logging.getLogger("engine_server")
 
+# Limits fields settable from the command line, by flag.
+_LIMIT_FLAGS = {
+    "--max-requests-in-flight": "requests the server holds at once",
+    "--max-rollouts-per-stream": "rollouts running on one Rollouts stream",
+    "--max-starts-per-message": "rollout starts taken from one Rollouts message",
+    "--max-waiting-requests": "refuse new requests while the engine has this many waiting (0: off)",
+    "--max-kv-subscribers": "open SubscribeKvEvents streams",
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
 DESCRIPTION = (
     "Serve an inference engine over the engine_contract.v1 gRPC contract "
     "(rollouts, generation, aborts, KV events, health, reflection)."
@@ -93,8 +107,26 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
         help="abort a stream whose client has not read for this long; 0 disables "
         "(default: %(default)s)",
     )
+    srv.add_argument(
+        "--start-paused",
+        action="store_true",
+        help="start with generation paused: requests wait until a trainer's weight "
+        "update and ResumeGeneration (an engine restarted mid-training then never "
+        "serves weights older than the trainer's)",
+    )
     srv.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes)
     srv.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    adm = parser.add_argument_group(
+        "admission limits (announced in GetServerInfo; over one, a request fails "
+        "alone with RESOURCE_EXHAUSTED naming it, retryable)"
+    )
+    for flag, help_text in _LIMIT_FLAGS.items():
+        adm.add_argument(
+            flag,
+            type=int,
+            default=getattr(limits, _dest(flag)),
+            help=f"{help_text} (default: %(default)s)",
+        )
     srv.add_argument(
         "--kv-replay-batches",
         type=int,
@@ -196,10 +228,13 @@ def _server_config(
         tls=tls,
         defaults=generation_defaults(args, generation),
         limits=Limits(
-            max_message_bytes=args.max_message_bytes, max_stop_strings=args.max_stop_strings
+            max_message_bytes=args.max_message_bytes,
+            max_stop_strings=args.max_stop_strings,
+            **{_dest(flag): getattr(args, _dest(flag)) for flag in _LIMIT_FLAGS},
         ),
         grace_period_s=args.grace_period_s,
         stream_write_timeout_s=args.stream_write_timeout_s or None,
+        start_paused=args.start_paused,
         kv_replay_batches=args.kv_replay_batches,
     )
 

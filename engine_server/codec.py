@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine_contract.tensors import TENSOR_DTYPES
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.backends.base import FinishReason, RoutedExpertsArray
 
@@ -10,15 +11,6 @@ FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
-}
-
-TENSOR_DTYPES = {
-    "uint8": pb.TENSOR_DTYPE_UINT8,
-    "int8": pb.TENSOR_DTYPE_INT8,
-    "uint16": pb.TENSOR_DTYPE_UINT16,
-    "int16": pb.TENSOR_DTYPE_INT16,
-    "int32": pb.TENSOR_DTYPE_INT32,
-    "int64": pb.TENSOR_DTYPE_INT64,
 }
 
 

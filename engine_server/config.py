@@ -51,11 +51,21 @@ class Limits:
     max_request_id_length: int = 256
     max_message_bytes: int = 64 * 1024 * 1024
     max_top_logprobs: int = 20
+    # Admission: over these a request fails alone with RESOURCE_EXHAUSTED naming
+    # the limit (retryable), and the server's memory stays bounded whatever a
+    # client sends. Sized for RL batches of many thousand concurrent rollouts.
+    max_requests_in_flight: int = 16_384
+    max_rollouts_per_stream: int = 16_384
+    max_starts_per_message: int = 4_096
+    # Refuse new requests while the engine has this many waiting (0: never).
+    max_waiting_requests: int = 0
+    max_kv_subscribers: int = 64
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"limit {f.name} must be >= 1, got {getattr(self, f.name)}")
+            low = 0 if f.name == "max_waiting_requests" else 1
+            if getattr(self, f.name) < low:
+                raise ValueError(f"limit {f.name} must be >= {low}, got {getattr(self, f.name)}")
 
 
 @dataclass(frozen=True)
@@ -80,16 +90,21 @@ class ServerConfig:
     grace_period_s: float = 10.0
     # KV-event batches kept for subscribers resuming by sequence number.
     kv_replay_batches: int = 10_000
-    # Blocks per message when a KV snapshot is sent.
-    kv_snapshot_chunk_blocks: int = 2048
+    # Blocks per message when a KV snapshot is sent: small enough that encoding
+    # one part never holds the event loop long (each part yields to it).
+    kv_snapshot_chunk_blocks: int = 256
     # How often the engine's health is polled once serving.
     health_poll_interval_s: float = 2.0
     # Finished request ids remembered, so Abort can answer ALREADY_FINISHED.
     finished_ids_remembered: int = 16_384
     # Watchdog on streams: the longest one write may wait on a client that does
-    # not read before the call is ended (ABORTED) and its engine request aborted.
+    # not read before the call is ended (ABORTED) and its engine request aborted;
+    # also the longest a streamed weight update may go without its next message.
     # None: no bound.
     stream_write_timeout_s: float | None = 30.0
+    # Generation paused from the start (PauseGeneration WAIT): requests wait for
+    # a trainer's update and ResumeGeneration.
+    start_paused: bool = False
 
     def __post_init__(self) -> None:
         """The same checks for ``serve(backend, ServerConfig(...))`` as for the CLI."""

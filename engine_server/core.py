@@ -29,6 +29,7 @@ from engine_server.backends.base import (
 )
 from engine_server.config import GenerationDefaults, ServerConfig
 from engine_server.errors import (
+    CapacityExceeded,
     Draining,
     EngineFailed,
     EngineRejected,
@@ -38,6 +39,7 @@ from engine_server.errors import (
     RevisionRejected,
 )
 from engine_server.kv_events import KvEventHub
+from engine_server.refit_control import RefitControl
 from engine_server.registry import AbortOutcome, ActiveRequest, RequestRegistry
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class ServerCore:
             config.kv_snapshot_chunk_blocks,
             config.limits.max_message_bytes,
         )
+        self.refit = RefitControl(
+            backend, self.registry, idle_timeout_s=config.stream_write_timeout_s
+        )
         self._serving: Serving | None = None
         self.draining = False
         self.engine_dead: str | None = None
@@ -85,7 +90,9 @@ class ServerCore:
         except Exception as e:
             self.engine_dead = f"failed to start: {e}"
             raise
+        self.hub.set_ranks(info.data_parallel_size)
         defaults = admission.resolve_defaults(self.config.defaults, info)
+        await self.refit.start()
         self.start_time_unix_nanos = time.time_ns()
         self._serving = Serving(info, defaults)
         return info
@@ -94,12 +101,32 @@ class ServerCore:
     def info(self) -> EngineInfo | None:
         return self._serving.info if self._serving is not None else None
 
+    def admit(self) -> None:
+        """Room for one more request? CapacityExceeded (retryable) when not."""
+        limits = self.config.limits
+        if len(self.registry) >= limits.max_requests_in_flight:
+            raise CapacityExceeded(
+                "max_requests_in_flight",
+                limits.max_requests_in_flight,
+                f"{len(self.registry)} requests are in flight on this server",
+            )
+        if limits.max_waiting_requests:
+            waiting = self.backend.load().waiting
+            if waiting >= limits.max_waiting_requests:
+                raise CapacityExceeded(
+                    "max_waiting_requests",
+                    limits.max_waiting_requests,
+                    f"the engine has {waiting} requests waiting",
+                )
+
     def serving(self) -> Serving:
         """The ready engine; raises UNAVAILABLE while it is not serving requests."""
         if self.draining:
             raise Draining("server is draining (shutting down); send new requests elsewhere")
         if self.engine_dead is not None:
             raise EngineUnavailable(f"engine is not serving: {self.engine_dead}")
+        if self.refit.broken is not None:
+            raise EngineUnavailable(f"engine is not serving: {self.refit.broken}")
         if self._serving is None:
             raise NotReady("engine is starting; not ready yet")
         return self._serving
@@ -130,6 +157,7 @@ class ServerCore:
                 max_running_sequences=info.max_running_sequences,
                 max_batched_tokens=info.max_batched_tokens,
                 data_parallel_size=info.data_parallel_size,
+                data_parallel_start_rank=info.data_parallel_start_rank,
             ),
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
@@ -142,14 +170,12 @@ class ServerCore:
             backend_name=info.backend_name,
             backend_version=info.backend_version,
             limits=pb.ServerLimits(
-                max_stop_strings=limits.max_stop_strings,
-                max_stop_string_length=limits.max_stop_string_length,
-                max_request_id_length=limits.max_request_id_length,
-                max_message_bytes=limits.max_message_bytes,
-                max_top_logprobs=limits.max_top_logprobs,
+                **{f.name: getattr(limits, f.name) for f in dataclasses.fields(limits)}
             ),
             start_time_unix_nanos=self.start_time_unix_nanos,
             routed_experts_available=info.reports_routed_experts,
+            rl_capabilities=pb.RlCapabilities(**dataclasses.asdict(self.backend.rl_capabilities())),
+            refit_state=self.refit.state(),
         )
 
     async def rollout(
@@ -158,6 +184,7 @@ class ServerCore:
         """One rollout's answer (written into ``into`` when given, to spare a copy)."""
         serving = self.serving()
         plan = admission.plan_rollout(request, serving.info, serving.defaults, self.config.limits)
+        self.admit()
         response = pb.RolloutResponse() if into is None else into
         response.request_id = plan.request_id
         response.instance_id = self.instance_id
@@ -165,6 +192,11 @@ class ServerCore:
             if plan.generates_nothing:
                 # NeMo RL's "nothing generated": the prompt alone, untruncated.
                 response.finish_reason = pb.FINISH_REASON_LENGTH
+                response.usage.CopyFrom(_usage(plan, None, 0))
+                return response
+            await self.refit.gate(entry)
+            if entry.abort_requested:  # aborted while waiting for a paused engine
+                response.finish_reason = pb.FINISH_REASON_ABORTED
                 response.usage.CopyFrom(_usage(plan, None, 0))
                 return response
             tokens = response.token_ids
@@ -197,15 +229,14 @@ class ServerCore:
         """
         serving = self.serving()
         plan = admission.plan_generate(request, serving.info, self.config.limits)
+        self.admit()
         with self.registry.track(plan.request_id) as entry:
             if plan.generates_nothing:
-                yield pb.GenerateResponse(
-                    finished=pb.GenerateFinished(
-                        finish_reason=pb.FINISH_REASON_LENGTH,
-                        usage=_usage(plan, None, 0),
-                        instance_id=self.instance_id,
-                    )
-                )
+                yield self._nothing_generated(plan, pb.FINISH_REASON_LENGTH)
+                return
+            await self.refit.gate(entry)
+            if entry.abort_requested:  # aborted while waiting for a paused engine
+                yield self._nothing_generated(plan, pb.FINISH_REASON_ABORTED)
                 return
             want_logprobs = plan.spec.logprobs is not None
             want_top = bool(plan.spec.logprobs)
@@ -240,8 +271,9 @@ class ServerCore:
             raise InvalidRequest("target", "set request_id, or all to true")
         if target == "all" and not request.all:
             raise InvalidRequest("all", "must be true when set")
-        if target == "request_id" and not request.request_id:
-            raise InvalidRequest("request_id", "must not be empty")
+        if target == "request_id":
+            admission.check_request_id(request.request_id, self.config.limits)
+        admission.check_id_length("instance_id", request.instance_id, self.config.limits)
         if request.instance_id and request.instance_id != self.instance_id:
             return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_NOT_FOUND)
         if target == "all":
@@ -261,8 +293,21 @@ class ServerCore:
         except EngineDeadError as e:
             raise EngineUnavailable(f"engine died: {e}") from e
 
+    def _nothing_generated(
+        self, plan: admission.Plan, reason: pb.FinishReason
+    ) -> pb.GenerateResponse:
+        return pb.GenerateResponse(
+            finished=pb.GenerateFinished(
+                finish_reason=reason,
+                usage=_usage(plan, None, 0),
+                instance_id=self.instance_id,
+            )
+        )
+
     def load(self) -> pb.GetLoadResponse:
-        response = pb.GetLoadResponse(registered_requests=len(self.registry))
+        response = pb.GetLoadResponse(
+            registered_requests=len(self.registry), refit_state=self.refit.state()
+        )
         if self._serving is not None:
             load = self.backend.load()
             response.running_requests = load.running
@@ -284,11 +329,8 @@ class ServerCore:
             async for out in stream:
                 if out.finished:
                     finished = True
-                    if entry.aborted_for_shutdown and out.finish_reason is FinishReason.ABORTED:
-                        raise Draining(
-                            "server shut down before the request finished (grace period over); "
-                            "retry it elsewhere"
-                        )
+                    if out.finish_reason is FinishReason.ABORTED:
+                        entry.raise_if_ended()  # a shutdown's or a pause's: retryable
                 elif entry.abort_requested:
                     # An Abort that raced the engine's admission of the request
                     # found nothing to abort; repeat it now that the engine has it.
@@ -324,6 +366,11 @@ class ServerCore:
             finished.matched_stop.CopyFrom(match)
         finished.usage.CopyFrom(_usage(plan, out, completion))
         finished.instance_id = self.instance_id
+        spans = out.weight_versions
+        if spans is None and completion:  # the engine keeps no spans: its current label
+            spans = [(self.refit.version, 0, completion)]
+        for version, start, end in spans or ():
+            finished.weight_versions.add(version=version, start=start, end=end)
         if plan.spec.return_routed_experts and out.routed_experts is not None:
             finished.routed_experts.CopyFrom(codec.routed_experts(out.routed_experts))
 

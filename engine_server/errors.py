@@ -9,6 +9,15 @@ class ServerError(Exception):
     """A failure answered with a gRPC status; the message names what is wrong."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # The admission limit that refused the request (CapacityExceeded only).
+    limit: str = ""
+
+
+def clip(value: object, most: int = 80) -> str:
+    """A client's value as a message may quote it: repr, cut to ``most`` characters.
+    Status messages travel in trailers of bounded size; never echo input whole."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[: most - 12]}... ({len(text)} chars)"
 
 
 class InvalidRequest(ServerError):
@@ -23,7 +32,17 @@ class DuplicateRequest(ServerError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
     def __init__(self, request_id: str) -> None:
-        super().__init__(f"request_id: {request_id!r} is already running on this server")
+        super().__init__(f"request_id: {clip(request_id)} is already running on this server")
+
+
+class CapacityExceeded(ServerError):
+    """An admission limit is reached: retryable (later, or on another server)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, limit: str, value: int, what: str) -> None:
+        super().__init__(f"{limit}: {what} (limit {value}); try again later or on another server")
+        self.limit = limit
 
 
 class NotReady(ServerError):
@@ -56,6 +75,24 @@ class EngineRejected(ServerError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class AbortedByPause(ServerError):
+    """The request was ended by PauseGeneration(ABORT) (or Sleep): retryable."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self) -> None:
+        super().__init__(
+            "aborted by PauseGeneration(ABORT) for a weight update; no partial result is "
+            "returned: send it again (it runs after ResumeGeneration, on the new weights)"
+        )
+
+
+class RefitRefused(ServerError):
+    """A refit step the engine cannot do now, or at all (the message says which)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class StreamStalled(ServerError):
     """The client stopped reading a stream: one write waited past the watchdog."""
 
@@ -66,3 +103,9 @@ class StreamStalled(ServerError):
             f"client did not read the stream for {timeout_s:g}s (stream write timeout); "
             f"{aborted} was aborted"
         )
+
+
+class UpdateStalled(ServerError):
+    """A streamed weight update went silent past the watchdog (nothing loaded)."""
+
+    code = grpc.StatusCode.ABORTED

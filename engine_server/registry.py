@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engine_server.errors import DuplicateRequest
+from engine_server.errors import AbortedByPause, Draining, DuplicateRequest
 
 
 class AbortOutcome(enum.Enum):
@@ -31,8 +31,22 @@ class ActiveRequest:
     # Aborted because the server is shutting down, not because anyone asked:
     # the caller gets a retryable error instead of a partial result.
     aborted_for_shutdown: bool = False
+    # Aborted by PauseGeneration(ABORT): likewise a retryable error.
+    aborted_for_pause: bool = False
     # Set when the request has ended, whatever the reason.
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set by any abort (wakes a request waiting for a paused engine).
+    interrupted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def raise_if_ended(self) -> None:
+        """Raise the error a request ended by the server (not by its client) answers."""
+        if self.aborted_for_shutdown:
+            raise Draining(
+                "server shut down before the request finished (grace period over); "
+                "retry it elsewhere"
+            )
+        if self.aborted_for_pause:
+            raise AbortedByPause()
 
 
 class RequestRegistry:
@@ -81,6 +95,7 @@ class RequestRegistry:
                 return AbortOutcome.ALREADY_FINISHED
             return AbortOutcome.NOT_FOUND
         entry.abort_requested = True
+        entry.interrupted.set()
         await self._engine_abort(request_id)
         return AbortOutcome.ABORTED
 
@@ -92,6 +107,23 @@ class RequestRegistry:
                 entry.aborted_for_shutdown = True
             await self.abort(request_id)
         return len(ids)
+
+    def mark_all_for_pause(self) -> list[ActiveRequest]:
+        """Every request registered now ends as aborted by a pause (the engine is
+        told by the pause itself); returns them."""
+        marked = list(self._active.values())
+        for entry in marked:
+            entry.aborted_for_pause = True
+            entry.interrupted.set()
+        return marked
+
+    @staticmethod
+    def unmark_for_pause(entries: list[ActiveRequest]) -> None:
+        """The pause failed: those still running are not aborted by it."""
+        for entry in entries:
+            entry.aborted_for_pause = False
+            if not entry.abort_requested and not entry.done.is_set():
+                entry.interrupted.clear()
 
     async def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no request is in flight; False when the timeout passed first."""

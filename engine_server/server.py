@@ -20,11 +20,11 @@ from grpc_reflection.v1alpha import reflection
 
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
-from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.addresses import parse_listen_address
 from engine_server.backends.base import EngineBackend, EngineDeadError, EngineInfo
 from engine_server.config import ServerConfig
 from engine_server.core import ServerCore
+from engine_server.handlers import add_engine_servicer
 from engine_server.kv_events import KvEventHub
 from engine_server.registry import RequestRegistry
 from engine_server.servicer import EngineServicer
@@ -82,6 +82,8 @@ class EngineServerHandle:
     _ready: asyncio.Future[EngineInfo] = field(default_factory=asyncio.Future)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: asyncio.Task[None] | None = None
+    # False for a backend its host owns: stop() leaves it running.
+    shutdown_backend: bool = True
 
     @property
     def instance_id(self) -> str:
@@ -139,10 +141,11 @@ class EngineServerHandle:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.stop(grace=1.0)
-        try:
-            await core.backend.shutdown()
-        except Exception:
-            log.exception("[shutdown] engine shutdown failed")
+        if self.shutdown_backend:
+            try:
+                await core.backend.shutdown()
+            except Exception:
+                log.exception("[shutdown] engine shutdown failed")
         if not self._ready.done():
             self._ready.set_exception(RuntimeError("server stopped before the engine was ready"))
         self._stopped.set()
@@ -162,7 +165,7 @@ async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineSe
     health = HealthServicer()
     server = grpc.aio.server(options=grpc_server_options(config))
     servicer = EngineServicer(core)
-    pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    add_engine_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (
@@ -208,7 +211,13 @@ async def _start_engine(handle: EngineServerHandle) -> None:
         return
     if core.draining:
         return
+    if handle.config.start_paused:
+        await core.refit.pause(
+            pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT, clear_cache=False)
+        )
+        log.info("generation paused until a ResumeGeneration (--start-paused)")
     await _set_health(handle._health, SERVING)
+    core.refit.on_state_change = lambda: _follow_refit(handle)
     log.info(
         "engine ready: %s (%s %s), context %d, block size %d, %d blocks",
         info.model_name,
@@ -221,6 +230,19 @@ async def _start_engine(handle: EngineServerHandle) -> None:
     if not handle._ready.done():
         handle._ready.set_result(info)
     handle._tasks.append(asyncio.create_task(_watch_engine(handle), name="engine-health"))
+
+
+def _follow_refit(handle: EngineServerHandle) -> None:
+    """Health says NOT_SERVING while the engine sleeps (its memory is freed) or
+    after an update broke its weights, so that bridges take the worker out of
+    the router's pool meanwhile."""
+    core = handle.core
+    if core.draining or core.engine_dead is not None:
+        return
+    down = core.refit.sleeping or core.refit.broken is not None
+    status = NOT_SERVING if down else SERVING
+    handle._tasks[:] = [task for task in handle._tasks if not task.done()]
+    handle._tasks.append(asyncio.create_task(_set_health(handle._health, status)))
 
 
 async def _watch_engine(handle: EngineServerHandle) -> None:
@@ -237,9 +259,13 @@ async def _watch_engine(handle: EngineServerHandle) -> None:
             return
 
 
-async def serve(backend: EngineBackend, config: ServerConfig | None = None) -> EngineServerHandle:
-    """Serve ``backend`` on the running loop; return once the engine is ready."""
+async def serve(
+    backend: EngineBackend, config: ServerConfig | None = None, *, shutdown_backend: bool = True
+) -> EngineServerHandle:
+    """Serve ``backend`` on the running loop; return once the engine is ready.
+    ``shutdown_backend=False``: ``stop()`` leaves the backend running (its host's)."""
     handle = await start_server(backend, config or ServerConfig())
+    handle.shutdown_backend = shutdown_backend
     try:
         await handle.wait_ready()
     except BaseException:

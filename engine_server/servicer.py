@@ -16,10 +16,11 @@ import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server.admission import check_id_length
 from engine_server.core import ServerCore
-from engine_server.errors import StreamStalled
+from engine_server.errors import CapacityExceeded, StreamStalled
 from engine_server.rollout_stream import RolloutStream
-from engine_server.status import rpc, rpc_stream
+from engine_server.status import rpc
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
@@ -51,6 +52,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             context,
             max_message_bytes=config.limits.max_message_bytes,
             write_timeout_s=config.stream_write_timeout_s,
+            max_rollouts=config.limits.max_rollouts_per_stream,
+            max_starts=config.limits.max_starts_per_message,
         )
         self._streams.add(stream)
         try:
@@ -69,12 +72,19 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> None:
         # Explicit writes, each bounded by the watchdog: a client that stops
         # reading would otherwise park the write (HTTP/2 flow control) and keep
-        # the engine request alive for as long as the connection lives.
+        # the engine request alive for as long as the connection lives. Headers
+        # first, on their own, so that the watchdog's status can always follow.
+        await context.send_initial_metadata(())
         async with contextlib.aclosing(self._core.generate(request)) as messages:
             async for message in messages:
                 await self._write(context, message)
 
-    async def _write(self, context: grpc.aio.ServicerContext, message: pb.GenerateResponse) -> None:
+    async def _write(
+        self,
+        context: grpc.aio.ServicerContext,
+        message: pb.GenerateResponse | pb.SubscribeKvEventsResponse,
+        ended: str = "the engine request",
+    ) -> None:
         """One stream write, bounded by ``stream_write_timeout_s`` (None: unbounded).
         A timer per write (asyncio.timeout: no extra task), nothing more."""
         timeout = self._core.config.stream_write_timeout_s
@@ -85,7 +95,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             async with asyncio.timeout(timeout):
                 await context.write(message)
         except TimeoutError:
-            raise StreamStalled(timeout) from None
+            raise StreamStalled(timeout, ended) from None
 
     @rpc
     async def Abort(
@@ -93,17 +103,28 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> pb.AbortResponse:
         return await self._core.abort(request)
 
-    @rpc_stream
+    @rpc
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
-        stream = self._core.hub.subscribe(request)
-        # Headers once the position is fixed, so that a client may wait for
-        # them before it makes the engine emit what it wants to see; and now,
-        # because the stream may stay quiet for long.
-        await context.send_initial_metadata(())
-        async for message in stream:
-            yield message
+    ) -> None:
+        core = self._core
+        limits = core.config.limits
+        check_id_length("expected_instance_id", request.expected_instance_id, limits)
+        if core.hub.subscribers >= limits.max_kv_subscribers:
+            raise CapacityExceeded(
+                "max_kv_subscribers",
+                limits.max_kv_subscribers,
+                f"{core.hub.subscribers} KV-event subscriptions are open",
+            )
+        # Counted from here (not from the first read), so that many subscribers
+        # arriving at once cannot all pass the check above.
+        async with contextlib.aclosing(core.hub.subscribe(request)) as stream:
+            # Headers once the position is fixed, so that a client may wait for
+            # them before it makes the engine emit what it wants to see; and
+            # now, because the stream may stay quiet for long.
+            await context.send_initial_metadata(())
+            async for message in stream:
+                await self._write(context, message, "the subscription")
 
     @rpc
     async def ResetPrefixCache(
@@ -116,3 +137,120 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadResponse:
         return self._core.load()
+
+    # -- the refit cycle (RefitControl holds its rules) -------------------------
+
+    @rpc
+    async def PauseGeneration(
+        self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PauseGenerationResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return await self._core.refit.pause(request)
+
+    @rpc
+    async def ResumeGeneration(
+        self, request: pb.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResumeGenerationResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return await self._core.refit.resume()
+
+    @rpc
+    async def IsPaused(
+        self, request: pb.IsPausedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.IsPausedResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return pb.IsPausedResponse(paused=self._core.refit.paused is not None)
+
+    @rpc
+    async def UpdateWeightsFromPath(
+        self, request: pb.UpdateWeightsFromPathRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsFromPathResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return await self._core.refit.update_from_path(request)
+
+    @rpc
+    async def UpdateWeightsFromTensors(
+        self,
+        request_iterator: AsyncIterator[pb.UpdateWeightsFromTensorsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.UpdateWeightsFromTensorsResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return await self._core.refit.update_from_tensors(request_iterator)
+
+    @rpc
+    async def InitWeightTransferEngine(
+        self, request: pb.InitWeightTransferEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitWeightTransferEngineResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        await self._core.refit.init_weight_transfer(request.init_info_json)
+        return pb.InitWeightTransferEngineResponse()
+
+    @rpc
+    async def StartWeightUpdate(
+        self, request: pb.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartWeightUpdateResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        await self._core.refit.start_weight_update(request.options)
+        return pb.StartWeightUpdateResponse()
+
+    @rpc
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        await self._core.refit.update_weights(request.update_info_json)
+        return pb.UpdateWeightsResponse()
+
+    @rpc
+    async def FinishWeightUpdate(
+        self, request: pb.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FinishWeightUpdateResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return await self._core.refit.finish_weight_update(request)
+
+    @rpc
+    async def ShutdownWeightTransferEngine(
+        self, request: pb.ShutdownWeightTransferEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ShutdownWeightTransferEngineResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        await self._core.refit.shutdown_weight_transfer()
+        return pb.ShutdownWeightTransferEngineResponse()
+
+    @rpc
+    async def GetWeightVersion(
+        self, request: pb.GetWeightVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetWeightVersionResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        refit = self._core.refit
+        return pb.GetWeightVersionResponse(
+            weight_version=refit.version, declared=refit.version_declared
+        )
+
+    @rpc
+    async def UpdateWeightVersion(
+        self, request: pb.UpdateWeightVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightVersionResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return await self._core.refit.update_version(request.weight_version)
+
+    @rpc
+    async def Sleep(
+        self, request: pb.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SleepResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        await self._core.refit.sleep(request)
+        return pb.SleepResponse()
+
+    @rpc
+    async def WakeUp(
+        self, request: pb.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WakeUpResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return pb.WakeUpResponse(awake=await self._core.refit.wake_up(list(request.tags)))
+
+    @rpc
+    async def IsSleeping(
+        self, request: pb.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.IsSleepingResponse:
+        self._core.serving()  # UNAVAILABLE until the engine is up
+        return pb.IsSleepingResponse(sleeping=self._core.refit.sleeping)

@@ -1,10 +1,11 @@
 """The one place a failure inside an RPC becomes the call's gRPC status.
 
-Every servicer method is wrapped by ``rpc`` (coroutines) or ``rpc_stream``
-(async generators): a ``ServerError`` ends the call with its own code and
-message; anything else is a bug or an engine failure nobody anticipated, so it
-is logged with its traceback and answered INTERNAL (never the UNKNOWN gRPC would
-send for an escaped exception, which clients cannot act on). Cancellation and
+Every servicer method is wrapped by ``rpc``: a request that could not be parsed
+(``handlers.Undecodable``) is INVALID_ARGUMENT; a ``ServerError`` ends the
+call with its own code and message; anything else is a bug or an engine
+failure nobody anticipated, so it is logged with its traceback and answered
+INTERNAL (never the UNKNOWN gRPC would send for an escaped exception, which
+clients cannot act on). Cancellation and
 an abort already under way pass through untouched.
 """
 
@@ -13,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
+from engine_contract.retry import LIMIT_TRAILER
 from engine_server.errors import ServerError
+from engine_server.handlers import Undecodable
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,8 @@ Resp = TypeVar("Resp")
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, ServerError):
+        if exc.limit:  # a capacity refusal: say which limit, so clients know to retry
+            context.set_trailing_metadata(((LIMIT_TRAILER, exc.limit),))
         await context.abort(exc.code, str(exc))
     log.error("%s failed unexpectedly", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
@@ -41,6 +46,8 @@ def rpc(
 
     @functools.wraps(method)
     async def wrapper(self: Self, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
         try:
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -48,23 +55,5 @@ def rpc(
         except Exception as e:
             await _abort(context, method.__name__, e)
             raise AssertionError("unreachable: context.abort raises") from e
-
-    return wrapper
-
-
-def rpc_stream(
-    method: Callable[[Self, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
-) -> Callable[[Self, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]:
-    """Status boundary for a method that yields its stream's messages."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Self, request: Req, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            async for message in method(self, request, context):
-                yield message
-        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
-            raise
-        except Exception as e:
-            await _abort(context, method.__name__, e)
 
     return wrapper

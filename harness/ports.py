@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import socket
 
 
@@ -14,13 +13,8 @@ def free_port() -> int:
 
 
 def free_system_port() -> int:
-    """A free port below 32768: Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an i16."""
-    for _ in range(200):
-        port = random.randint(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
+    """A free port below 32768: Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an i16
+    (the bridge picks its internal system port the same way)."""
+    from bridge.system_server import free_dynamo_port
+
+    return free_dynamo_port()

@@ -22,6 +22,13 @@ class TensorDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_DTYPE_INT16: _ClassVar[TensorDtype]
     TENSOR_DTYPE_INT32: _ClassVar[TensorDtype]
     TENSOR_DTYPE_INT64: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_FLOAT16: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_BFLOAT16: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_FLOAT32: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_FLOAT64: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_BOOL: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_FLOAT8_E4M3FN: _ClassVar[TensorDtype]
+    TENSOR_DTYPE_FLOAT8_E5M2: _ClassVar[TensorDtype]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +44,13 @@ class AbortOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ABORT_OUTCOME_ABORTED: _ClassVar[AbortOutcome]
     ABORT_OUTCOME_ALREADY_FINISHED: _ClassVar[AbortOutcome]
     ABORT_OUTCOME_NOT_FOUND: _ClassVar[AbortOutcome]
+
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
 ROUTED_EXPERTS_MODE_UNSPECIFIED: RoutedExpertsMode
 ROUTED_EXPERTS_MODE_OMIT: RoutedExpertsMode
 ROUTED_EXPERTS_MODE_REQUIRE: RoutedExpertsMode
@@ -47,6 +61,13 @@ TENSOR_DTYPE_UINT16: TensorDtype
 TENSOR_DTYPE_INT16: TensorDtype
 TENSOR_DTYPE_INT32: TensorDtype
 TENSOR_DTYPE_INT64: TensorDtype
+TENSOR_DTYPE_FLOAT16: TensorDtype
+TENSOR_DTYPE_BFLOAT16: TensorDtype
+TENSOR_DTYPE_FLOAT32: TensorDtype
+TENSOR_DTYPE_FLOAT64: TensorDtype
+TENSOR_DTYPE_BOOL: TensorDtype
+TENSOR_DTYPE_FLOAT8_E4M3FN: TensorDtype
+TENSOR_DTYPE_FLOAT8_E5M2: TensorDtype
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -56,6 +77,10 @@ ABORT_OUTCOME_UNSPECIFIED: AbortOutcome
 ABORT_OUTCOME_ABORTED: AbortOutcome
 ABORT_OUTCOME_ALREADY_FINISHED: AbortOutcome
 ABORT_OUTCOME_NOT_FOUND: AbortOutcome
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+PAUSE_MODE_KEEP: PauseMode
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ("client_revision",)
@@ -64,7 +89,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, client_revision: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("contract_revision", "minimum_client_revision", "instance_id", "model_name", "model_path", "engine_config", "eos_token_ids", "vocab_size", "generation_defaults", "backend_name", "backend_version", "limits", "start_time_unix_nanos", "routed_experts_available")
+    __slots__ = ("contract_revision", "minimum_client_revision", "instance_id", "model_name", "model_path", "engine_config", "eos_token_ids", "vocab_size", "generation_defaults", "backend_name", "backend_version", "limits", "start_time_unix_nanos", "routed_experts_available", "rl_capabilities", "refit_state")
     CONTRACT_REVISION_FIELD_NUMBER: _ClassVar[int]
     MINIMUM_CLIENT_REVISION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +104,8 @@ class GetServerInfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     START_TIME_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    RL_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    REFIT_STATE_FIELD_NUMBER: _ClassVar[int]
     contract_revision: int
     minimum_client_revision: int
     instance_id: str
@@ -93,23 +120,55 @@ class GetServerInfoResponse(_message.Message):
     limits: ServerLimits
     start_time_unix_nanos: int
     routed_experts_available: bool
-    def __init__(self, contract_revision: _Optional[int] = ..., minimum_client_revision: _Optional[int] = ..., instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., engine_config: _Optional[_Union[EngineConfig, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., backend_name: _Optional[str] = ..., backend_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., start_time_unix_nanos: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ...) -> None: ...
+    rl_capabilities: RlCapabilities
+    refit_state: RefitState
+    def __init__(self, contract_revision: _Optional[int] = ..., minimum_client_revision: _Optional[int] = ..., instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., engine_config: _Optional[_Union[EngineConfig, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., backend_name: _Optional[str] = ..., backend_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., start_time_unix_nanos: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ..., rl_capabilities: _Optional[_Union[RlCapabilities, _Mapping]] = ..., refit_state: _Optional[_Union[RefitState, _Mapping]] = ...) -> None: ...
+
+class RlCapabilities(_message.Message):
+    __slots__ = ("pause", "update_from_path", "update_from_tensors", "weight_transfer_backend", "sleep")
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FROM_PATH_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FROM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_FIELD_NUMBER: _ClassVar[int]
+    pause: bool
+    update_from_path: bool
+    update_from_tensors: bool
+    weight_transfer_backend: str
+    sleep: bool
+    def __init__(self, pause: _Optional[bool] = ..., update_from_path: _Optional[bool] = ..., update_from_tensors: _Optional[bool] = ..., weight_transfer_backend: _Optional[str] = ..., sleep: _Optional[bool] = ...) -> None: ...
+
+class RefitState(_message.Message):
+    __slots__ = ("paused", "pause_mode", "sleeping", "weight_version", "weight_version_declared")
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_DECLARED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    pause_mode: PauseMode
+    sleeping: bool
+    weight_version: str
+    weight_version_declared: bool
+    def __init__(self, paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., sleeping: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weight_version_declared: _Optional[bool] = ...) -> None: ...
 
 class EngineConfig(_message.Message):
-    __slots__ = ("context_length", "kv_block_size", "total_kv_blocks", "max_running_sequences", "max_batched_tokens", "data_parallel_size")
+    __slots__ = ("context_length", "kv_block_size", "total_kv_blocks", "max_running_sequences", "max_batched_tokens", "data_parallel_size", "data_parallel_start_rank")
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_START_RANK_FIELD_NUMBER: _ClassVar[int]
     context_length: int
     kv_block_size: int
     total_kv_blocks: int
     max_running_sequences: int
     max_batched_tokens: int
     data_parallel_size: int
-    def __init__(self, context_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., data_parallel_size: _Optional[int] = ...) -> None: ...
+    data_parallel_start_rank: int
+    def __init__(self, context_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_start_rank: _Optional[int] = ...) -> None: ...
 
 class GenerationDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos", "bad_words")
@@ -132,37 +191,49 @@ class GenerationDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_stop_strings", "max_stop_string_length", "max_request_id_length", "max_message_bytes", "max_top_logprobs")
+    __slots__ = ("max_stop_strings", "max_stop_string_length", "max_request_id_length", "max_message_bytes", "max_top_logprobs", "max_requests_in_flight", "max_rollouts_per_stream", "max_starts_per_message", "max_waiting_requests", "max_kv_subscribers")
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_ID_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLOUTS_PER_STREAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_STARTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_KV_SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
     max_stop_strings: int
     max_stop_string_length: int
     max_request_id_length: int
     max_message_bytes: int
     max_top_logprobs: int
-    def __init__(self, max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ...) -> None: ...
+    max_requests_in_flight: int
+    max_rollouts_per_stream: int
+    max_starts_per_message: int
+    max_waiting_requests: int
+    max_kv_subscribers: int
+    def __init__(self, max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_requests_in_flight: _Optional[int] = ..., max_rollouts_per_stream: _Optional[int] = ..., max_starts_per_message: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_kv_subscribers: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "greedy", "stop_strings", "max_new_tokens", "routed_experts")
+    __slots__ = ("request_id", "prompt_token_ids", "greedy", "stop_strings", "max_new_tokens", "routed_experts", "data_parallel_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     greedy: bool
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     max_new_tokens: int
     routed_experts: RoutedExpertsMode
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExpertsMode, str]] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExpertsMode, str]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class RolloutResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "matched_stop", "truncated", "usage", "routed_experts", "r3_stats", "instance_id")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "matched_stop", "truncated", "usage", "routed_experts", "r3_stats", "instance_id", "weight_versions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +244,7 @@ class RolloutResponse(_message.Message):
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     R3_STATS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -183,7 +255,18 @@ class RolloutResponse(_message.Message):
     routed_experts: RoutedExperts
     r3_stats: R3Stats
     instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop: _Optional[_Union[StopMatch, _Mapping]] = ..., truncated: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., r3_stats: _Optional[_Union[R3Stats, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    weight_versions: _containers.RepeatedCompositeFieldContainer[WeightVersionSpan]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop: _Optional[_Union[StopMatch, _Mapping]] = ..., truncated: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., r3_stats: _Optional[_Union[R3Stats, _Mapping]] = ..., instance_id: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ...) -> None: ...
+
+class WeightVersionSpan(_message.Message):
+    __slots__ = ("version", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    start: int
+    end: int
+    def __init__(self, version: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class RolloutsRequest(_message.Message):
     __slots__ = ("start", "cancel")
@@ -218,12 +301,14 @@ class RolloutResult(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[RolloutResponse, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ...) -> None: ...
 
 class RolloutError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "limit")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    limit: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., limit: _Optional[str] = ...) -> None: ...
 
 class RoutedExperts(_message.Message):
     __slots__ = ("data", "dtype", "shape")
@@ -266,18 +351,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "output")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "output", "data_parallel_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stop: StopConditions
     output: OutputOptions
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -344,18 +431,20 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateFinished(_message.Message):
-    __slots__ = ("finish_reason", "matched_stop", "usage", "routed_experts", "instance_id")
+    __slots__ = ("finish_reason", "matched_stop", "usage", "routed_experts", "instance_id", "weight_versions")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     matched_stop: StopMatch
     usage: Usage
     routed_experts: RoutedExperts
     instance_id: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop: _Optional[_Union[StopMatch, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    weight_versions: _containers.RepeatedCompositeFieldContainer[WeightVersionSpan]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop: _Optional[_Union[StopMatch, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., instance_id: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "all", "instance_id")
@@ -472,15 +561,243 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "registered_requests")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "registered_requests", "refit_state")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REFIT_STATE_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_used: int
     kv_blocks_total: int
     registered_requests: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., registered_requests: _Optional[int] = ...) -> None: ...
+    refit_state: RefitState
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., registered_requests: _Optional[int] = ..., refit_state: _Optional[_Union[RefitState, _Mapping]] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode", "clear_cache")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    mode: PauseMode
+    clear_cache: bool
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ..., clear_cache: _Optional[bool] = ...) -> None: ...
+
+class PauseGenerationResponse(_message.Message):
+    __slots__ = ("aborted_count", "cache_cleared")
+    ABORTED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    aborted_count: int
+    cache_cleared: bool
+    def __init__(self, aborted_count: _Optional[int] = ..., cache_cleared: _Optional[bool] = ...) -> None: ...
+
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeGenerationResponse(_message.Message):
+    __slots__ = ("resumed",)
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    resumed: bool
+    def __init__(self, resumed: _Optional[bool] = ...) -> None: ...
+
+class IsPausedRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    def __init__(self, paused: _Optional[bool] = ...) -> None: ...
+
+class WeightUpdateOptions(_message.Message):
+    __slots__ = ("weight_version", "reset_prefix_cache", "allow_unpaused", "allow_partial")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_UNPAUSED_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    reset_prefix_cache: bool
+    allow_unpaused: bool
+    allow_partial: bool
+    def __init__(self, weight_version: _Optional[str] = ..., reset_prefix_cache: _Optional[bool] = ..., allow_unpaused: _Optional[bool] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+
+class WeightUpdateResult(_message.Message):
+    __slots__ = ("weight_version", "cache_cleared", "tensors", "bytes", "load_ms")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    cache_cleared: bool
+    tensors: int
+    bytes: int
+    load_ms: int
+    def __init__(self, weight_version: _Optional[str] = ..., cache_cleared: _Optional[bool] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., load_ms: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsFromPathRequest(_message.Message):
+    __slots__ = ("path", "options")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    options: WeightUpdateOptions
+    def __init__(self, path: _Optional[str] = ..., options: _Optional[_Union[WeightUpdateOptions, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsFromPathResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: WeightUpdateResult
+    def __init__(self, result: _Optional[_Union[WeightUpdateResult, _Mapping]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: TensorDtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[TensorDtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorManifest(_message.Message):
+    __slots__ = ("tensors", "options")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    options: WeightUpdateOptions
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Union[WeightUpdateOptions, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsFromTensorsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: TensorManifest
+    chunk: TensorChunk
+    def __init__(self, manifest: _Optional[_Union[TensorManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsFromTensorsResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: WeightUpdateResult
+    def __init__(self, result: _Optional[_Union[WeightUpdateResult, _Mapping]] = ...) -> None: ...
+
+class InitWeightTransferEngineRequest(_message.Message):
+    __slots__ = ("init_info_json",)
+    INIT_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    init_info_json: bytes
+    def __init__(self, init_info_json: _Optional[bytes] = ...) -> None: ...
+
+class InitWeightTransferEngineResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartWeightUpdateRequest(_message.Message):
+    __slots__ = ("options",)
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    options: WeightUpdateOptions
+    def __init__(self, options: _Optional[_Union[WeightUpdateOptions, _Mapping]] = ...) -> None: ...
+
+class StartWeightUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("update_info_json",)
+    UPDATE_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    update_info_json: bytes
+    def __init__(self, update_info_json: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class FinishWeightUpdateResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: WeightUpdateResult
+    def __init__(self, result: _Optional[_Union[WeightUpdateResult, _Mapping]] = ...) -> None: ...
+
+class ShutdownWeightTransferEngineRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownWeightTransferEngineResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWeightVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWeightVersionResponse(_message.Message):
+    __slots__ = ("weight_version", "declared")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    declared: bool
+    def __init__(self, weight_version: _Optional[str] = ..., declared: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightVersionRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightVersionResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level", "mode")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    mode: PauseMode
+    def __init__(self, level: _Optional[int] = ..., mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("awake",)
+    AWAKE_FIELD_NUMBER: _ClassVar[int]
+    awake: bool
+    def __init__(self, awake: _Optional[bool] = ...) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("sleeping",)
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    sleeping: bool
+    def __init__(self, sleeping: _Optional[bool] = ...) -> None: ...

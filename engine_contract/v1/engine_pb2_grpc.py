@@ -28,8 +28,8 @@ if _version_not_supported:
 class EngineServiceStub:
     """The engine server's one service. Next to it the server also serves
     grpc.health.v1.Health (service "" and "engine_contract.v1.EngineService":
-    NOT_SERVING until the engine is ready and while draining) and server
-    reflection.
+    NOT_SERVING until the engine is ready, while draining, while asleep and
+    after a weight update broke it) and server reflection.
     """
 
     def __init__(self, channel):
@@ -78,13 +78,88 @@ class EngineServiceStub:
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/engine_contract.v1.EngineService/PauseGeneration',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.PauseGenerationResponse.FromString,
+                _registered_method=True)
+        self.ResumeGeneration = channel.unary_unary(
+                '/engine_contract.v1.EngineService/ResumeGeneration',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.ResumeGenerationRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.ResumeGenerationResponse.FromString,
+                _registered_method=True)
+        self.IsPaused = channel.unary_unary(
+                '/engine_contract.v1.EngineService/IsPaused',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromPath = channel.unary_unary(
+                '/engine_contract.v1.EngineService/UpdateWeightsFromPath',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromPathRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromPathResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromTensors = channel.stream_unary(
+                '/engine_contract.v1.EngineService/UpdateWeightsFromTensors',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromTensorsResponse.FromString,
+                _registered_method=True)
+        self.InitWeightTransferEngine = channel.unary_unary(
+                '/engine_contract.v1.EngineService/InitWeightTransferEngine',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.InitWeightTransferEngineRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.InitWeightTransferEngineResponse.FromString,
+                _registered_method=True)
+        self.StartWeightUpdate = channel.unary_unary(
+                '/engine_contract.v1.EngineService/StartWeightUpdate',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.StartWeightUpdateRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.StartWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/engine_contract.v1.EngineService/UpdateWeights',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.FinishWeightUpdate = channel.unary_unary(
+                '/engine_contract.v1.EngineService/FinishWeightUpdate',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.FinishWeightUpdateRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.FinishWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.ShutdownWeightTransferEngine = channel.unary_unary(
+                '/engine_contract.v1.EngineService/ShutdownWeightTransferEngine',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.ShutdownWeightTransferEngineRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.ShutdownWeightTransferEngineResponse.FromString,
+                _registered_method=True)
+        self.GetWeightVersion = channel.unary_unary(
+                '/engine_contract.v1.EngineService/GetWeightVersion',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.GetWeightVersionRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetWeightVersionResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightVersion = channel.unary_unary(
+                '/engine_contract.v1.EngineService/UpdateWeightVersion',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightVersionRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightVersionResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/engine_contract.v1.EngineService/Sleep',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/engine_contract.v1.EngineService/WakeUp',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/engine_contract.v1.EngineService/IsSleeping',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
     """The engine server's one service. Next to it the server also serves
     grpc.health.v1.Health (service "" and "engine_contract.v1.EngineService":
-    NOT_SERVING until the engine is ready and while draining) and server
-    reflection.
+    NOT_SERVING until the engine is ready, while draining, while asleep and
+    after a weight update broke it) and server reflection.
     """
 
     def GetServerInfo(self, request, context):
@@ -165,6 +240,132 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseGeneration(self, request, context):
+        """-- The refit cycle (revision 3): pause, update weights, version, resume. --
+        Names and semantics follow vLLM's own gRPC control service where they
+        overlap. A trainer's step: PauseGeneration(WAIT or ABORT, clear_cache) ->
+        UpdateWeightsFrom{Path,Tensors} (or the weight-transfer phases) with a
+        weight_version -> ResumeGeneration. Pause, resume, updates, sleep and wake
+        are serialized on the server: a Resume never races an update. The server
+        info's rl_capabilities says which of these the engine serves; the others
+        answer FAILED_PRECONDITION saying why.
+
+        Stops generation. ABORT: requests in flight end now, each with ABORTED
+        ("aborted by PauseGeneration"; retryable: no partial result is returned).
+        WAIT: returns once the requests in flight have finished. KEEP: they freeze
+        and continue after ResumeGeneration (their tokens' weight_versions say
+        which weights made which tokens). While paused, new requests wait for
+        ResumeGeneration, bounded by their own deadline. clear_cache (default true)
+        drops the prefix cache; the KV-event stream carries AllBlocksCleared at
+        once. Pausing a paused server is allowed (a stronger mode applies).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeGeneration(self, request, context):
+        """Lets waiting and frozen requests run; a no-op when not paused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsPaused(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromPath(self, request, context):
+        """Loads weights from a checkpoint directory (safetensors) the server can
+        read. Refused unless paused (or allow_unpaused). Checked before anything
+        is loaded: a missing directory, or tensor names, dtypes or shapes that do
+        not match the served model's, give INVALID_ARGUMENT naming the tensor and
+        leave the old weights serving, the version unchanged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromTensors(self, request_iterator, context):
+        """The same, with the tensors streamed over this call: works on any machine
+        and across hosts, no shared filesystem or NCCL. The first message is the
+        manifest (every tensor's name, dtype and shape, checked at once); then the
+        tensors' bytes in manifest order, each tensor's in order, in chunks under
+        the message size limit. A stream that breaks or ends short loads nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransferEngine(self, request, context):
+        """vLLM's weight-transfer engines (NCCL and the like, GPUs), passed through:
+        init_info and update_info are the backend's own JSON objects; the tensors
+        travel outside this contract.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartWeightUpdate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishWeightUpdate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShutdownWeightTransferEngine(self, request, context):
+        """Releases the weight-transfer engine (its NCCL group and the like).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightVersion(self, request, context):
+        """The label of the weights serving now; every rollout's tokens carry it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Frees the engine's memory (level 1: weights kept on the host; 2: dropped)
+        while no generation is needed; health is NOT_SERVING until WakeUp.
+        FAILED_PRECONDITION where the engine cannot (vLLM's CPU build).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +409,81 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     request_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
             ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.PauseGenerationResponse.SerializeToString,
+            ),
+            'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeGeneration,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.ResumeGenerationRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.ResumeGenerationResponse.SerializeToString,
+            ),
+            'IsPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsPaused,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.IsPausedRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.IsPausedResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromPath': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromPath,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromPathRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromPathResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromTensors': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromTensors,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromTensorsRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromTensorsResponse.SerializeToString,
+            ),
+            'InitWeightTransferEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransferEngine,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.InitWeightTransferEngineRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.InitWeightTransferEngineResponse.SerializeToString,
+            ),
+            'StartWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWeightUpdate,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.StartWeightUpdateRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.StartWeightUpdateResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishWeightUpdate,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.FinishWeightUpdateRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.FinishWeightUpdateResponse.SerializeToString,
+            ),
+            'ShutdownWeightTransferEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShutdownWeightTransferEngine,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.ShutdownWeightTransferEngineRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.ShutdownWeightTransferEngineResponse.SerializeToString,
+            ),
+            'GetWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightVersion,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetWeightVersionRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.GetWeightVersionResponse.SerializeToString,
+            ),
+            'UpdateWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightVersion,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightVersionRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.UpdateWeightVersionResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.SleepRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.WakeUpRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'engine_contract.v1.EngineService', rpc_method_handlers)
@@ -219,8 +495,8 @@ def add_EngineServiceServicer_to_server(servicer, server):
 class EngineService:
     """The engine server's one service. Next to it the server also serves
     grpc.health.v1.Health (service "" and "engine_contract.v1.EngineService":
-    NOT_SERVING until the engine is ready and while draining) and server
-    reflection.
+    NOT_SERVING until the engine is ready, while draining, while asleep and
+    after a weight update broke it) and server reflection.
     """
 
     @staticmethod
@@ -429,6 +705,411 @@ class EngineService:
             '/engine_contract.v1.EngineService/GetLoad',
             engine__contract_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             engine__contract_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/PauseGeneration',
+            engine__contract_dot_v1_dot_engine__pb2.PauseGenerationRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.PauseGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/ResumeGeneration',
+            engine__contract_dot_v1_dot_engine__pb2.ResumeGenerationRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.ResumeGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/IsPaused',
+            engine__contract_dot_v1_dot_engine__pb2.IsPausedRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.IsPausedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromPath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/UpdateWeightsFromPath',
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromPathRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromPathResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromTensors(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/engine_contract.v1.EngineService/UpdateWeightsFromTensors',
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsFromTensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransferEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/InitWeightTransferEngine',
+            engine__contract_dot_v1_dot_engine__pb2.InitWeightTransferEngineRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.InitWeightTransferEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/StartWeightUpdate',
+            engine__contract_dot_v1_dot_engine__pb2.StartWeightUpdateRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.StartWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/UpdateWeights',
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/FinishWeightUpdate',
+            engine__contract_dot_v1_dot_engine__pb2.FinishWeightUpdateRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.FinishWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShutdownWeightTransferEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/ShutdownWeightTransferEngine',
+            engine__contract_dot_v1_dot_engine__pb2.ShutdownWeightTransferEngineRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.ShutdownWeightTransferEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/GetWeightVersion',
+            engine__contract_dot_v1_dot_engine__pb2.GetWeightVersionRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.GetWeightVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/UpdateWeightVersion',
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightVersionRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.UpdateWeightVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/Sleep',
+            engine__contract_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/WakeUp',
+            engine__contract_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/IsSleeping',
+            engine__contract_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
             options,
             channel_credentials,
             insecure,

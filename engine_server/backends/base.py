@@ -13,7 +13,16 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from engine_server.backends.refit import (
+    PauseMode,
+    RefitUnsupported,
+    RlCapabilities,
+    TensorSpec,
+    WeightLoad,
+    WeightWriter,
+)
 
 if TYPE_CHECKING:
     from engine_server.generation_config import GenerationConfig
@@ -42,6 +51,8 @@ class EngineInfo:
     backend_name: str
     backend_version: str
     data_parallel_size: int = 1
+    # The first rank's number in the deployment (Dynamo's data_parallel_start_rank).
+    data_parallel_start_rank: int = 0
     # Whether finished outputs carry routed experts (MoE with the feature on).
     reports_routed_experts: bool = False
 
@@ -74,6 +85,8 @@ class SamplingSpec:
     # None: no logprobs; 0: the sampled token's; k: also the top k.
     logprobs: int | None = None
     return_routed_experts: bool = False
+    # The data-parallel rank to run on (0-based, local); None: the engine picks.
+    data_parallel_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,9 @@ class EngineOutput:
     num_cached_tokens: int = 0
     routed_experts: RoutedExpertsArray | None = None
     error: str | None = None
+    # On the last output, when the engine tracks it: which weights generated
+    # which output tokens, as (version, start, end) spans over all of them.
+    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -216,8 +232,11 @@ class EngineBackend(ABC):
         """Abort a running request; a no-op for unknown or finished ids."""
 
     @abstractmethod
-    async def reset_prefix_cache(self) -> bool:
-        """Drop cached prefix blocks; True when the engine did."""
+    async def reset_prefix_cache(self, *, running: bool = False) -> bool:
+        """Drop cached prefix blocks; True when the engine did. ``running``: also
+        those of requests running now (they are recomputed). When it returns
+        True, AllBlocksCleared has gone to the KV-event sink (the router must
+        forget this worker's blocks now, not at the engine's next step)."""
 
     @abstractmethod
     def load(self) -> EngineLoad:
@@ -230,3 +249,59 @@ class EngineBackend(ABC):
     @abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and release its resources; safe to call twice."""
+
+    # -- the refit cycle (see refit.py); not supported unless overridden --------
+
+    def rl_capabilities(self) -> RlCapabilities:
+        return RlCapabilities()
+
+    def _unsupported(self, what: str) -> RefitUnsupported:
+        return RefitUnsupported(f"{what} is not supported by the {type(self).__name__} engine")
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """Stop generating. ABORT: end every request with finish reason ABORTED
+        now; WAIT: return once none runs; KEEP: freeze them until ``resume``."""
+        raise self._unsupported("pausing generation")
+
+    async def resume(self) -> None:
+        raise self._unsupported("pausing generation")
+
+    async def load_weights_from_path(self, path: str, *, allow_partial: bool) -> WeightLoad:
+        """Load a checkpoint directory; WeightUpdateError (nothing loaded) when it
+        does not fit the model."""
+        raise self._unsupported("loading weights from a path")
+
+    async def begin_tensor_update(
+        self, tensors: Sequence[TensorSpec], *, allow_partial: bool
+    ) -> WeightWriter:
+        """Check the manifest against the model (WeightUpdateError) and get ready
+        to receive the tensors' bytes."""
+        raise self._unsupported("loading streamed tensors")
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        raise self._unsupported("a weight-transfer engine")
+
+    async def start_weight_update(self) -> None:
+        raise self._unsupported("a weight-transfer engine")
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        raise self._unsupported("a weight-transfer engine")
+
+    async def finish_weight_update(self) -> WeightLoad:
+        raise self._unsupported("a weight-transfer engine")
+
+    async def shutdown_weight_transfer(self) -> None:
+        raise self._unsupported("a weight-transfer engine")
+
+    async def weight_version(self) -> str:
+        """The engine's own label of the weights serving now."""
+        return "default"
+
+    async def set_weight_version(self, version: str) -> None:
+        raise self._unsupported("weight versions")
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        raise self._unsupported("sleep mode")
+
+    async def wake_up(self, tags: Sequence[str]) -> bool:
+        raise self._unsupported("sleep mode")

@@ -150,7 +150,7 @@ class ToyBackend(EngineBackend):
         if request_id in self._live:
             self._live[request_id] = True
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, *, running: bool = False) -> bool:
         self._cached.clear()
         if self._sink is not None:
             self._sink(KvEventBatch((AllBlocksCleared(),), time.time_ns()))

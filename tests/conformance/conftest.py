@@ -1,8 +1,9 @@
 """The conformance suite's engine servers.
 
 Without ``--engine-address`` every test runs against the simulated engine
-served in-process and served by the CLI as a subprocess (and, where vLLM is
-installed, against the vLLM engine server). With it, against that address
+served in-process and served by the CLI as a subprocess, against the toy
+backend (the README's example of a backend), and, where vLLM is installed,
+against the vLLM engine server. With it, against that address
 only: ``make conformance ADDR=HOST:PORT``.
 """
 
@@ -34,7 +35,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if metafunc.config.getoption("--engine-address"):
             kinds = ["external"]
         else:
-            kinds = ["inproc-sim", "cli-sim"]
+            kinds = ["inproc-sim", "cli-sim", "cli-toy"]
             if importable("vllm"):
                 kinds.append(pytest.param("cli-vllm", marks=pytest.mark.vllm))
         metafunc.parametrize("engine_address", kinds, indirect=True, scope="session")
@@ -53,6 +54,11 @@ def _sim_args(model: Path) -> list[str]:
         "--routed-experts",
         "4,2,8",
     ]
+
+
+def _toy_args(model: Path) -> list[str]:
+    """The hundred-line example backend (README "Writing a backend")."""
+    return ["--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-new-tokens", "64"]
 
 
 def _vllm_args(model: Path) -> list[str]:
@@ -86,8 +92,8 @@ def engine_address(
         finally:
             server.stop()
         return
-    backend = "vllm" if kind == "cli-vllm" else "sim"
-    args = _vllm_args(model) if backend == "vllm" else _sim_args(model)
+    backend = kind.removeprefix("cli-")
+    args = {"vllm": _vllm_args, "sim": _sim_args, "toy": _toy_args}[backend](model)
     with ProcessGroup(tmp_path_factory.mktemp(kind)) as group:
         proc, address = group.engine_server("server", *args, backend=backend, timeout=180)
         yield address

@@ -210,3 +210,40 @@ async def test_packed_snapshots_and_the_size_budget() -> None:
     seqs = [b.sequence_number for m in packed for b in m.batches]
     assert seqs == list(range(4, 34))
     await sub.aclose()
+
+
+async def test_a_snapshot_keeps_data_parallel_ranks_apart() -> None:
+    """Each rank's blocks come in its own parts, tagged with its rank, each rank's
+    first part clearing that rank; a removal on one rank leaves the other's copy."""
+    hub = KvEventHub("inst", replay_batches=16, snapshot_chunk_blocks=1)
+    hub.set_ranks(3)  # rank 2 caches nothing: it still gets its clear
+    hub.publish(KvEventBatch((stored([1, 2, 3]),), data_parallel_rank=0))
+    hub.publish(KvEventBatch((stored([1, 7]),), data_parallel_rank=1))
+    hub.publish(KvEventBatch((BlockRemoved((1,)),), data_parallel_rank=0))
+    subscription = hub.subscribe(pb.SubscribeKvEventsRequest(include_snapshot=True))
+    parts = await take(subscription, 5)  # one block a part: 2 for rank 0, 2 for 1, 1 for 2
+    await subscription.aclose()
+    by_rank: dict[int, set[int]] = {}
+    for message in parts:
+        rank = message.batch.data_parallel_rank
+        by_rank.setdefault(rank, set()).update(apply_messages([message]))
+    assert [m.batch.snapshot.index for m in parts] == [0, 1, 2, 3, 4]
+    assert [m.batch.snapshot.last for m in parts] == [False, False, False, False, True]
+    assert [m.batch.data_parallel_rank for m in parts] == [0, 0, 1, 1, 2]
+    firsts = [
+        len(m.batch.events) > 0 and m.batch.events[0].WhichOneof("event") == "cleared"
+        for m in parts
+    ]
+    assert firsts == [True, False, True, False, True]
+    assert by_rank[0] == {2, 3} and by_rank[1] == {1, 7} and by_rank[2] == set()
+
+
+async def test_subscribers_of_one_snapshot_share_its_messages() -> None:
+    hub = KvEventHub("inst", replay_batches=16, snapshot_chunk_blocks=256)
+    hub.publish(batch(stored(list(range(1, 600)))))
+    first = hub.subscribe(pb.SubscribeKvEventsRequest(include_snapshot=True))
+    second = hub.subscribe(pb.SubscribeKvEventsRequest(include_snapshot=True))
+    a, b = await take(first, 3), await take(second, 3)
+    assert all(x is y for x, y in zip(a, b, strict=True))  # one encoding, shared
+    await first.aclose()
+    await second.aclose()

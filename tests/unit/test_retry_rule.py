@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from engine_contract.retry import RETRYABLE_CODES
+from engine_contract.retry import LIMIT_TRAILER, RETRYABLE_CODES, is_retryable
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "engine_contract" / "v1" / "engine.proto"
 
@@ -41,3 +41,13 @@ def test_the_proto_says_of_every_listed_code_whether_it_is_retryable() -> None:
 def test_every_retryable_code_is_in_the_proto() -> None:
     table = proto_status_table()
     assert {c.name for c in RETRYABLE_CODES} <= set(table)
+
+
+def test_resource_exhausted_is_retryable_exactly_when_it_names_a_limit() -> None:
+    text = proto_status_table()["RESOURCE_EXHAUSTED"]
+    assert "Retryable" in text and "Not retryable" in text and LIMIT_TRAILER in text
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert is_retryable(code, limit="max_rollouts_per_stream")
+    assert not is_retryable(code)
+    assert is_retryable(grpc.StatusCode.UNAVAILABLE)
+    assert not is_retryable(grpc.StatusCode.INVALID_ARGUMENT, limit="anything")

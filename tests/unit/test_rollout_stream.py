@@ -20,6 +20,10 @@ class Context:
     def __init__(self) -> None:
         self.written: list[pb.RolloutsResponse] = []
         self.hang = False
+        self.headers_sent = False
+
+    async def send_initial_metadata(self, metadata: object) -> None:
+        self.headers_sent = True
 
     async def write(self, message: pb.RolloutsResponse) -> None:
         if self.hang:

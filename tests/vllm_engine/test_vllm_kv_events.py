@@ -185,7 +185,7 @@ async def test_fill_and_evict_mirror_consistent(setup: Setup) -> None:
     assert max(hits) == 4 * BLOCK and min(hits) < 4 * BLOCK
 
 
-async def test_reset_prefix_cache_clears_with_next_step(setup: Setup) -> None:
+async def test_reset_prefix_cache_clears_at_once(setup: Setup) -> None:
     backend, mirror = setup.backend, setup.mirror
     sub = backend.kv_subscriber
     assert sub is not None
@@ -193,13 +193,13 @@ async def test_reset_prefix_cache_clears_with_next_step(setup: Setup) -> None:
     cleared_before = mirror.cleared
     assert mirror.blocks
     assert await backend.reset_prefix_cache()
-    # vLLM publishes AllBlocksCleared with its next engine step, which an idle
-    # engine only takes for the next request.
-    await asyncio.sleep(0.3)
+    # The backend tells the sink at once (vLLM itself publishes its
+    # AllBlocksCleared only with its next engine step, that is the next request).
+    assert mirror.cleared == cleared_before + 1 and not mirror.blocks
     prompt = make_prompts()[5]
     final = await run(backend, "after-reset", prompt)
     assert final.num_cached_tokens == 0
-    await wait_until_async(lambda: mirror.cleared == cleared_before + 1, 2, "the clear relayed")
+    await wait_until_async(lambda: mirror.cleared == cleared_before + 2, 2, "vLLM's own clear")
     await settle(lambda: sub.batches)
     # After the clear, the mirror holds exactly the blocks of that one request.
     clear_at = max(i for i, ev in enumerate(mirror.log) if isinstance(ev, AllBlocksCleared))

@@ -39,6 +39,9 @@ class SimConfig:
     # vocabulary EOS is otherwise almost never drawn, so rollouts would all run
     # to their token budget; a rate gives realistic variable lengths.
     eos_rate: float = 0.0
+    # Data-parallel ranks: engines side by side, each with its own scheduler and
+    # prefix cache (num_kv_blocks each), as vLLM's data_parallel_size.
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         def at_least(name: str, value: float, low: float) -> None:
@@ -49,6 +52,7 @@ class SimConfig:
         at_least("block_size", self.block_size, 1)
         at_least("num_kv_blocks", self.num_kv_blocks, 1)
         at_least("max_num_seqs", self.max_num_seqs, 1)
+        at_least("dp_size", self.dp_size, 1)
         at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         at_least("decode_step_ms", self.decode_step_ms, 0)
         at_least("startup_delay_s", self.startup_delay_s, 0)
@@ -102,6 +106,7 @@ class SimConfig:
             ("--decode-step-ms", float, d.decode_step_ms, "time of one decode step"),
             ("--startup-delay-s", float, d.startup_delay_s, "start() takes this long"),
             ("--eos-rate", float, d.eos_rate, "chance per position that EOS is most likely"),
+            ("--dp-size", int, d.dp_size, "data-parallel ranks, each with its own KV cache"),
         ):
             # None when not given (the SimConfig default applies), so that a
             # generation config can tell the user's flags from defaults.

@@ -58,6 +58,11 @@ class SimEngine:
         )
         self.num_steps = 0
         self._requests: dict[str, SimRequest] = {}
+        # KEEP-mode pause: no step runs; requests stay as they are.
+        self.frozen = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._frozen_by: set[str] = set()
         self._sink: KvEventSink | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
@@ -90,6 +95,7 @@ class SimEngine:
             self.scheduler.remove(req)
             req.finish(reason, error=error)
         self._requests.clear()
+        self._idle.set()  # a WAIT pause (or anyone waiting for idle) ends too
 
     # -- requests ----------------------------------------------------------
 
@@ -122,6 +128,7 @@ class SimEngine:
             req.finish(FinishReason.LENGTH)
             return req
         self._requests[request_id] = req
+        self._idle.clear()
         self.scheduler.add(req)
         self._wakeup.set()
         return req
@@ -160,6 +167,8 @@ class SimEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if not self._requests:
+            self._idle.set()
         self.scheduler.remove(req)
         req.finish(FinishReason.ABORTED)
         self._wakeup.set()
@@ -169,20 +178,45 @@ class SimEngine:
         """Drop a request whose consumer went away (no output is delivered)."""
         if self._requests.get(req.request_id) is req:
             del self._requests[req.request_id]
+            if not self._requests:
+                self._idle.set()
             self.scheduler.remove(req)
             req.finish(FinishReason.ABORTED)
             self._wakeup.set()
 
     def _on_finish(self, req: SimRequest) -> None:
         self._requests.pop(req.request_id, None)
+        if not self._requests:
+            self._idle.set()
         if self.routed_experts is not None and req.spec.return_routed_experts:
             req.routed_experts = self.routed_experts.build(req.tokens, len(req.tokens) - 1)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, running: bool = False) -> bool:
         self._flush_events()  # evictions of a step in flight go out before the clear
-        done = self.cache.reset()
+        done = self.cache.reset(running=running)
         self._flush_events()
         return done
+
+    def abort_all(self) -> int:
+        """End every request with finish reason ABORTED (a Pause(ABORT))."""
+        count = len(self._requests)
+        self._finish_all(FinishReason.ABORTED, None)
+        self._idle.set()
+        self._wakeup.set()
+        return count
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def freeze(self, frozen: bool, why: str = "pause") -> None:
+        """Stop stepping (KEEP-mode requests stay where they are) while any reason
+        holds: a pause and a sleep freeze and thaw independently."""
+        if frozen:
+            self._frozen_by.add(why)
+        else:
+            self._frozen_by.discard(why)
+        self.frozen = bool(self._frozen_by)
+        self._wakeup.set()
 
     @property
     def num_running(self) -> int:
@@ -221,7 +255,7 @@ class SimEngine:
         gpu_clock = loop.time()
         try:
             while True:
-                if not scheduler.has_work():
+                if self.frozen or not scheduler.has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     gpu_clock = loop.time()

@@ -145,15 +145,21 @@ class PrefixCache:
             self._events.append(BlockRemoved(block_hashes=tuple(self._removed)))
             self._removed = []
 
-    def reset(self) -> bool:
-        """Drop every cached block; refused (False) while any block is in use.
+    def reset(self, *, running: bool = False) -> bool:
+        """Drop every cached block; refused (False) while any block is in use,
+        unless ``running``: then blocks in use stay with their requests, no
+        longer cached (vLLM recomputes such requests; the sim's outputs do not
+        depend on its KV, so keeping them changes nothing but the cache).
 
         vLLM refuses too: a block in use cannot leave the cache without breaking
         the request using it, and AllBlocksCleared must mean "nothing cached".
         """
-        if self._num_used:
+        if self._num_used and not running:
             return False
         self._close_removed()
+        for block in self._cached.values():
+            if block.ref_count:
+                block.block_hash = None
         for block in self._evictable.values():
             block.block_hash = None
             self._empty.append(block)

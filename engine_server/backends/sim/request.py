@@ -89,6 +89,8 @@ class SimRequest:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.routed_experts: RoutedExpertsArray | None = None
+        # [version, start, end] over output tokens: which weights made which.
+        self.weight_spans: list[list[str | int]] = []
         self._final_sent = False
         self.wakeup = asyncio.Event()
 
@@ -111,9 +113,20 @@ class SimRequest:
         return self._context_set
 
     def append_token(
-        self, token: int, logprob: float | None, top: list[tuple[int, float]] | None
+        self,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        version: str = "default",
     ) -> None:
-        """Add a sampled token and finish the request if it stops here."""
+        """Add a sampled token (made by weights ``version``) and finish the request
+        if it stops here."""
+        spans = self.weight_spans
+        n = self.num_output_tokens
+        if spans and spans[-1][0] == version:
+            spans[-1][2] = n + 1
+        else:
+            spans.append([version, n, n + 1])
         self.tokens.append(token)
         h = mix64(self.ctx_hash ^ token)
         self.ctx_hash = h
@@ -194,4 +207,5 @@ class SimRequest:
             out.num_prompt_tokens = self.num_prompt_tokens
             out.num_cached_tokens = max(0, self.num_cached_tokens)
             out.routed_experts = self.routed_experts
+            out.weight_versions = [(str(v), int(a), int(b)) for v, a, b in self.weight_spans]
         return out

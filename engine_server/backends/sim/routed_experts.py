@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from engine_server.backends.base import RoutedExpertsArray
 from engine_server.backends.sim.hashing import MASK64, mix64
 
+# Row shapes per expert count (bounds the tables: 64 x 2E entries).
+_MAX_STRIDES = 64
+
 
 @dataclass(frozen=True)
 class RoutedExpertsConfig:
@@ -65,24 +68,38 @@ class RoutedExpertsGenerator:
         e = config.num_experts
         # Strides coprime with E make base + i*stride (mod E) distinct for i < E,
         # so one hash per (position, layer) gives a whole row of distinct experts.
-        self._strides = [s for s in range(1, e) if math.gcd(s, e) == 1] or [1]
+        strides = [s for s in range(1, e) if math.gcd(s, e) == 1][:_MAX_STRIDES] or [1]
+        self._strides = strides
+        # base + i*s = (j + i)*s (mod E) with j = base * s^-1: a row is a slice of
+        # the multiples of s (listed twice, so that no slice wraps), copied at C
+        # speed rather than computed element by element.
+        self._inverses = [pow(s, -1, e) if e > 1 else 0 for s in strides]
+        self._tables: dict[int, array[int]] = {}
         self._typecode = "B" if config.dtype == "uint8" else "H"
+
+    def _table(self, k: int) -> array[int]:
+        table = self._tables.get(k)
+        if table is None:
+            e, stride = self.config.num_experts, self._strides[k]
+            table = self._tables[k] = array(
+                self._typecode, [(i * stride) % e for i in range(e)] * 2
+            )
+        return table
 
     def build(self, token_ids: Sequence[int], num_rows: int) -> RoutedExpertsArray:
         """Rows for positions ``0 .. num_rows - 1`` of ``token_ids``."""
         cfg = self.config
         e, top_k, layers = cfg.num_experts, cfg.top_k, cfg.num_layers
-        strides, n_strides, key = self._strides, len(self._strides), self._key
-        values: list[int] = []
-        extend = values.extend
+        n_strides, key, inverses, table = len(self._strides), self._key, self._inverses, self._table
+        data = array(self._typecode)
+        extend = data.extend
         for pos in range(num_rows):
             hp = mix64(key ^ mix64(token_ids[pos] | (pos << 32)))
             for layer in range(layers):
                 h = mix64(hp + layer)
-                base = h % e
-                stride = strides[(h >> 32) % n_strides]
-                extend([(base + i * stride) % e for i in range(top_k)])
-        data = array(self._typecode, values)
+                k = (h >> 32) % n_strides
+                j = (h % e) * inverses[k] % e
+                extend(table(k)[j : j + top_k])
         if sys.byteorder == "big":
             data.byteswap()
         return RoutedExpertsArray(

@@ -73,10 +73,15 @@ class Sampler:
 
     def __init__(self, vocab_size: int, seed: int, eos_token_ids: Sequence[int], eos_rate: float):
         self.vocab_size = vocab_size
-        self._seed_key = mix64((seed & MASK64) ^ 0x53494D)
+        self._engine_seed = seed & MASK64
+        self._seed_key = mix64(self._engine_seed ^ 0x53494D)
         self._num_candidates = min(NUM_CANDIDATES, vocab_size)
         self._eos = eos_token_ids[0] if eos_token_ids else None
         self._eos_threshold = int(eos_rate * (1 << 53))
+
+    def set_weights(self, key: int) -> None:
+        """New weights: every logit changes (key 0 is the weights the sim started with)."""
+        self._seed_key = mix64(self._engine_seed ^ 0x53494D ^ (key & MASK64))
 
     def prepare(self, spec: SamplingSpec, request_id: str) -> RequestSampling:
         """Normalise a spec: greedy detection, top_k off as 0, the draw key."""
@@ -125,6 +130,9 @@ class Sampler:
                     logits[ids.index(eos)] = LOGIT_SPREAD
                 else:
                     ids[-1], logits[-1] = eos, LOGIT_SPREAD
+        elif eos is not None and eos in ids:
+            # EOS rate 0: EOS drawn as a candidate is never the likeliest token.
+            logits[ids.index(eos)] = 0.0
         return ids, logits
 
     def choose(

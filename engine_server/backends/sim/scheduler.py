@@ -49,6 +49,8 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.num_preemptions = 0
+        # The label of the weights the next tokens are sampled with.
+        self.weight_version = "default"
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -166,7 +168,7 @@ class Scheduler:
                 req.context_set if rs.repetition_penalty != 1.0 else None,
                 req.banned_now,
             )
-            req.append_token(token, logprob, top)
+            req.append_token(token, logprob, top, self.weight_version)
             if req.finished:
                 self.running.remove(req)
                 self._release(req)

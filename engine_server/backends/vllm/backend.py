@@ -28,6 +28,10 @@ from typing import TYPE_CHECKING, Any
 import vllm
 from vllm.config import KVEventsConfig, VllmConfig
 from vllm.distributed.kv_events import ZmqEventPublisher
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
@@ -39,17 +43,27 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from engine_server.backends import base
 from engine_server.backends.base import (
+    AllBlocksCleared,
     EngineBackend,
     EngineInfo,
     EngineLoad,
     EngineOutput,
+    KvEventBatch,
     KvEventSink,
     SamplingSpec,
+)
+from engine_server.backends.refit import (
+    PauseMode,
+    RlCapabilities,
+    TensorSpec,
+    WeightLoad,
+    WeightWriter,
 )
 from engine_server.backends.vllm import args as cli
 from engine_server.backends.vllm.kv_events import KvEventSubscriber
 from engine_server.backends.vllm.outputs import OutputConverter
 from engine_server.backends.vllm.sampling import to_sampling_params
+from engine_server.backends.vllm.weights import VllmWeights
 
 if TYPE_CHECKING:
     from engine_server.generation_config import GenerationConfig
@@ -126,6 +140,8 @@ class VllmBackend(EngineBackend):
         self._kv: KvEventSubscriber | None = None
         self._view = _SchedulerView()
         self._info: EngineInfo | None = None
+        self._sink: KvEventSink | None = None
+        self._weights: VllmWeights | None = None
         self._closed = False
         # Requests in generate(), by id: True once abort() was asked for.
         self._live: dict[str, bool] = {}
@@ -187,6 +203,9 @@ class VllmBackend(EngineBackend):
     async def start(self, kv_event_sink: KvEventSink | None) -> EngineInfo:
         if self._info is not None:
             return self._info
+        self._sink = kv_event_sink
+        if kv_event_sink is not None:
+            kv_event_sink = self._local_ranks(kv_event_sink)
         loop = asyncio.get_running_loop()
         if self._owns_engine:
             await self._start_owned(kv_event_sink, loop)
@@ -199,6 +218,7 @@ class VllmBackend(EngineBackend):
         if run_handler is not None:
             run_handler()
         self._info = engine_info(engine)
+        self._weights = VllmWeights(engine, self._info.model_path)
         return self._info
 
     async def _start_owned(self, sink: KvEventSink | None, loop: asyncio.AbstractEventLoop) -> None:
@@ -282,7 +302,10 @@ class VllmBackend(EngineBackend):
             raise base.EngineRequestError(str(e)) from e
         conv = OutputConverter(spec, len(prompt_token_ids))
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
-        stream = engine.generate(prompt, params, request_id)
+        rank = spec.data_parallel_rank
+        if rank is not None and self._info is not None:
+            rank += self._info.data_parallel_start_rank  # vLLM numbers ranks globally
+        stream = engine.generate(prompt, params, request_id, data_parallel_rank=rank)
         self._live[request_id] = False
         reaborted = False
         try:
@@ -320,13 +343,36 @@ class VllmBackend(EngineBackend):
         if self._engine is not None:
             await self._engine.abort(request_id)
 
-    async def reset_prefix_cache(self) -> bool:
-        """True when vLLM dropped its cached blocks (False while some are in use).
+    async def reset_prefix_cache(self, *, running: bool = False) -> bool:
+        """True when vLLM dropped its cached blocks (False while some are in use,
+        unless ``running``: those requests are then recomputed)."""
+        done = bool(await self.engine.reset_prefix_cache(reset_running_requests=running))
+        if done:
+            self._cleared()
+        return done
 
-        The engine emits AllBlocksCleared with its next step, that is with the
-        next request, not when this returns.
-        """
-        return bool(await self.engine.reset_prefix_cache())
+    def _local_ranks(self, sink: KvEventSink) -> KvEventSink:
+        """vLLM stamps KV batches with its global data-parallel rank; the contract
+        carries this server's own (0-based) ones."""
+
+        def local(batch: KvEventBatch) -> None:
+            start = self._info.data_parallel_start_rank if self._info is not None else 0
+            if start:
+                batch = dataclasses.replace(
+                    batch, data_parallel_rank=batch.data_parallel_rank - start
+                )
+            sink(batch)
+
+        return local
+
+    def _cleared(self) -> None:
+        """Tell the router now: vLLM's own AllBlocksCleared waits for its next step,
+        that is for the next request, and a router would meanwhile send requests
+        here for blocks that are gone (or were computed with the old weights)."""
+        if self._sink is None or self._info is None:
+            return
+        for rank in range(self._info.data_parallel_size):
+            self._sink(KvEventBatch((AllBlocksCleared(),), data_parallel_rank=rank))
 
     def load(self) -> EngineLoad:
         """Requests vLLM's front end holds, split by the scheduler's last count.
@@ -347,6 +393,87 @@ class VllmBackend(EngineBackend):
             kv_blocks_used=round(self._view.kv_usage * blocks),
             kv_blocks_total=blocks,
         )
+
+    # -- the refit cycle (vLLM's pause, reload_weights, weight versions) --------
+    def rl_capabilities(self) -> RlCapabilities:
+        engine = self._engine
+        transfer = engine.vllm_config.weight_transfer_config if engine is not None else None
+        return RlCapabilities(
+            pause=True,
+            update_from_path=True,
+            update_from_tensors=True,
+            weight_transfer_backend=str(transfer.backend) if transfer is not None else "",
+            sleep=engine is not None and bool(engine.model_config.enable_sleep_mode),
+        )
+
+    def _weight_loader(self) -> VllmWeights:
+        if self._weights is None:
+            raise base.EngineDeadError("the vLLM engine is not started")
+        return self._weights
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self.engine.pause_generation(mode=mode.value, clear_cache=clear_cache)
+        if clear_cache:
+            self._cleared()
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+
+    async def load_weights_from_path(self, path: str, *, allow_partial: bool) -> WeightLoad:
+        return await self._weight_loader().load_dir(path, allow_partial=allow_partial)
+
+    async def begin_tensor_update(
+        self, tensors: Sequence[TensorSpec], *, allow_partial: bool
+    ) -> WeightWriter:
+        return await self._weight_loader().writer(tensors, allow_partial=allow_partial)
+
+    def _transfer_configured(self) -> None:
+        if not self.rl_capabilities().weight_transfer_backend:
+            raise self._unsupported(
+                "a weight-transfer engine (start vLLM with --weight-transfer-config)"
+            )
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        self._transfer_configured()
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info))
+
+    async def start_weight_update(self) -> None:
+        self._transfer_configured()
+        await self.engine.start_weight_update()
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._transfer_configured()
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info))
+
+    async def finish_weight_update(self) -> WeightLoad:
+        self._transfer_configured()
+        await self.engine.finish_weight_update()
+        return WeightLoad(0, 0)  # the transfer engine does not say
+
+    async def shutdown_weight_transfer(self) -> None:
+        self._transfer_configured()
+        await self.engine.shutdown_weight_transfer_engine()
+
+    async def weight_version(self) -> str:
+        return str(await self.engine.get_weight_version())
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.engine.update_weight_version(version)
+
+    def _sleep_configured(self) -> None:
+        if not self.rl_capabilities().sleep:
+            raise self._unsupported(
+                "sleep mode (start vLLM with --enable-sleep-mode; the CPU build has none)"
+            )
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        self._sleep_configured()
+        await self.engine.sleep(level=level, mode=mode.value)
+        self._cleared()
+
+    async def wake_up(self, tags: Sequence[str]) -> bool:
+        self._sleep_configured()
+        return bool(await self.engine.wake_up(list(tags) or None))
 
     async def check_health(self) -> None:
         engine = self.engine
@@ -402,6 +529,18 @@ def eos_token_ids(engine: AsyncLLM) -> tuple[int, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def _dp_ranks(parallel: Any) -> dict[str, int]:
+    """The ranks this engine hosts: all of them (vLLM balances internally), or
+    with an external or hybrid load balancer its own share, from its own rank."""
+    if parallel.data_parallel_external_lb:
+        size, start = 1, parallel.data_parallel_rank
+    elif parallel.data_parallel_hybrid_lb:
+        size, start = parallel.data_parallel_size_local, parallel.data_parallel_rank
+    else:
+        size, start = parallel.data_parallel_size, 0
+    return {"data_parallel_size": int(size), "data_parallel_start_rank": int(start)}
+
+
 def engine_info(engine: AsyncLLM) -> EngineInfo:
     """EngineInfo from vLLM's own, final configuration (after start-up)."""
     cfg = engine.vllm_config
@@ -421,6 +560,6 @@ def engine_info(engine: AsyncLLM) -> EngineInfo:
         vocab_size=int(mc.get_vocab_size()),
         backend_name="vllm",
         backend_version=vllm.__version__,
-        data_parallel_size=int(cfg.parallel_config.data_parallel_size),
+        **_dp_ranks(cfg.parallel_config),
         reports_routed_experts=bool(cfg.aux_output_config.enable_return_routed_experts),
     )

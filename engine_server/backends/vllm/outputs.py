@@ -89,6 +89,9 @@ class OutputConverter:
         result.num_cached_tokens = int(out.num_cached_tokens or 0)
         if self._routed and comp.routed_experts is not None:
             result.routed_experts = routed_experts_array(comp.routed_experts)
+        spans = getattr(comp, "weight_versions", None)
+        if spans is not None:  # vLLM's own, over the whole output (final output only)
+            result.weight_versions = [(str(s.version), int(s.start), int(s.end)) for s in spans]
         return result
 
 

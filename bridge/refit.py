@@ -1,0 +1,364 @@
+"""The trainer's side of the refit cycle: pause every worker, update, resume.
+
+Two ways in, the same cycle and the same report:
+
+- ``RefitClient(worker_urls)``: over each Dynamo worker's RL admin routes (its
+  system port, ``/engine/pause_generation`` ...), exactly as a trainer drives
+  ``dynamo.vllm --enable-rl``; the new weights come from a checkpoint folder
+  every worker can read.
+- ``EngineRefitClient(engine_addresses)``: over the engine servers' contract
+  (gRPC); the new weights come from a folder or are streamed from the
+  trainer's memory (``engine_contract.tensors``), no shared filesystem needed.
+
+A step pauses all workers (concurrently), updates all, and resumes those whose
+update succeeded. A worker whose update failed stays paused on its old weights
+(resuming it would serve the old policy as if new): ``RefitError`` says which
+and why; ``resume()`` lets it serve again once the trainer decides. No Dynamo
+import here: trainers install only the ``driver`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import grpc
+
+from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+
+PAUSE_MODES = ("wait", "abort", "keep")
+_PAUSE_PB = {"wait": pb.PAUSE_MODE_WAIT, "abort": pb.PAUSE_MODE_ABORT, "keep": pb.PAUSE_MODE_KEEP}
+
+
+@dataclass
+class WorkerRefit:
+    """What one worker did in one refit step."""
+
+    worker: str
+    version: str | None = None
+    paused_s: float = 0.0
+    update_s: float = 0.0
+    resumed: bool = False
+    error: str | None = None
+    # Where it failed: "pause" (not paused, old weights), "update" (paused on its
+    # old weights), or "resume" (the new weights loaded, not serving yet).
+    stage: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class RefitReport:
+    version: str
+    workers: list[WorkerRefit] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(w.ok for w in self.workers)
+
+    @property
+    def failed(self) -> list[WorkerRefit]:
+        return [w for w in self.workers if not w.ok]
+
+
+class RefitError(RuntimeError):
+    """Some workers did not take the new weights (they stay paused); ``report``
+    has every worker's outcome."""
+
+    def __init__(self, report: RefitReport) -> None:
+        lines = "; ".join(f"{w.worker} ({w.stage}): {w.error}" for w in report.failed)
+        super().__init__(
+            f"refit to {report.version!r} failed on {len(report.failed)} of "
+            f"{len(report.workers)} workers: {lines}"
+        )
+        self.report = report
+
+
+class _Cycle:
+    """The step's choreography, whatever carries the calls."""
+
+    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
+        raise NotImplementedError
+
+    async def _resume(self, worker: str) -> None:
+        raise NotImplementedError
+
+    async def _run(
+        self,
+        workers: Sequence[str],
+        version: str,
+        mode: str,
+        clear_cache: bool,
+        update: Callable[[str], Awaitable[str | None]],
+    ) -> RefitReport:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        started = time.monotonic()
+        report = RefitReport(version, [WorkerRefit(w) for w in workers])
+
+        async def pause(entry: WorkerRefit) -> None:
+            t0 = time.monotonic()
+            await self._pause(entry.worker, mode, clear_cache)
+            entry.paused_s = time.monotonic() - t0
+
+        async def load(entry: WorkerRefit) -> None:
+            t0 = time.monotonic()
+            entry.version = await update(entry.worker)
+            entry.update_s = time.monotonic() - t0
+
+        await _each(report.workers, pause, "pause")
+        await _each([w for w in report.workers if w.ok], load, "update")
+        ready = [w for w in report.workers if w.ok]
+
+        async def resume(entry: WorkerRefit) -> None:
+            await self._resume(entry.worker)
+            entry.resumed = True
+
+        await _each(ready, resume, "resume")
+        report.seconds = time.monotonic() - started
+        if not report.ok:
+            raise RefitError(report)
+        return report
+
+
+async def _each(
+    entries: Iterable[WorkerRefit], step: Callable[[WorkerRefit], Awaitable[None]], stage: str
+) -> None:
+    """Run ``step`` on every entry at once; a failure is written into the entry."""
+
+    async def guarded(entry: WorkerRefit) -> None:
+        try:
+            await step(entry)
+        except grpc.aio.AioRpcError as e:
+            entry.error, entry.stage = f"{e.code().name}: {e.details()}", stage
+        except Exception as e:
+            entry.error, entry.stage = str(e) or type(e).__name__, stage
+
+    await asyncio.gather(*(guarded(e) for e in entries))
+
+
+class RouteError(RuntimeError):
+    """A route answered ``{"status": "error"}`` (or not JSON, or not 200)."""
+
+
+class RefitClient(_Cycle):
+    """The cycle over Dynamo workers' RL admin routes (their system URLs)."""
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        *,
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not worker_urls:
+            raise ValueError("no worker URLs")
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        self._session = session
+        self._own_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def __aenter__(self) -> RefitClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def call(
+        self, worker: str, route: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One route of one worker; RouteError unless it answered ``status: ok``."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        async with self._session.post(
+            f"{worker}/engine/{route}", json=body or {}, timeout=self._timeout
+        ) as resp:
+            try:
+                answer = await resp.json(content_type=None)
+            except ValueError:
+                answer = None
+            if resp.status != 200 or not isinstance(answer, dict):
+                raise RouteError(f"{route}: HTTP {resp.status}: {answer!r}")
+            if answer.get("status") != "ok":
+                raise RouteError(f"{route}: {answer.get('message', answer)}")
+            return answer
+
+    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
+        await self.call(worker, "pause_generation", {"mode": mode, "clear_cache": clear_cache})
+
+    async def _resume(self, worker: str) -> None:
+        await self.call(worker, "resume_generation")
+
+    async def refit(
+        self, model_path: str, version: str, *, mode: str = "wait", clear_cache: bool = True
+    ) -> RefitReport:
+        """Pause (``mode``: wait for rollouts in flight, abort them, or keep them
+        frozen), load ``model_path`` as ``version``, resume."""
+
+        async def update(worker: str) -> str | None:
+            answer = await self.call(
+                worker,
+                "update_weights_from_disk",
+                {"model_path": model_path, "weight_version": version},
+            )
+            return answer.get("version")
+
+        return await self._run(self.worker_urls, version, mode, clear_cache, update)
+
+    async def resume(self, workers: Sequence[str] | None = None) -> None:
+        await asyncio.gather(*(self._resume(w) for w in workers or self.worker_urls))
+
+    async def versions(self) -> dict[str, Any]:
+        answers = await asyncio.gather(
+            *(self.call(w, "get_weight_version") for w in self.worker_urls)
+        )
+        return {w: a.get("version") for w, a in zip(self.worker_urls, answers, strict=True)}
+
+
+class EngineRefitClient(_Cycle):
+    """The cycle over engine servers' contract (gRPC), weights streamed or from a folder."""
+
+    def __init__(
+        self, engine_addresses: Sequence[str], *, max_message_bytes: int = 64 << 20
+    ) -> None:
+        if not engine_addresses:
+            raise ValueError("no engine server addresses")
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._channels = {
+            a: grpc.aio.insecure_channel(a, options=options) for a in engine_addresses
+        }
+        self._stubs = {a: pb_grpc.EngineServiceStub(c) for a, c in self._channels.items()}
+        self._chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
+
+    async def __aenter__(self) -> EngineRefitClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+
+    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
+        await self._stubs[worker].PauseGeneration(
+            pb.PauseGenerationRequest(mode=_PAUSE_PB[mode], clear_cache=clear_cache)
+        )
+
+    async def _resume(self, worker: str) -> None:
+        await self._stubs[worker].ResumeGeneration(pb.ResumeGenerationRequest())
+
+    async def refit(
+        self,
+        version: str,
+        *,
+        tensors: Sequence[Tensor] | None = None,
+        path: str | None = None,
+        mode: str = "wait",
+        clear_cache: bool = True,
+    ) -> RefitReport:
+        """Pause, load ``tensors`` (streamed to every server) or ``path`` as
+        ``version``, resume."""
+        if (tensors is None) == (path is None):
+            raise ValueError("give either tensors or path")
+
+        async def update(worker: str) -> str | None:
+            stub = self._stubs[worker]
+            if tensors is not None:
+                requests = update_requests(
+                    tensors, weight_version=version, chunk_bytes=self._chunk_bytes
+                )
+                answer = await stub.UpdateWeightsFromTensors(requests)
+            else:
+                answer = await stub.UpdateWeightsFromPath(
+                    pb.UpdateWeightsFromPathRequest(
+                        path=path, options=pb.WeightUpdateOptions(weight_version=version)
+                    )
+                )
+            return str(answer.result.weight_version)
+
+        return await self._run(list(self._stubs), version, mode, clear_cache, update)
+
+    async def resume(self, workers: Sequence[str] | None = None) -> None:
+        await asyncio.gather(*(self._resume(w) for w in workers or list(self._stubs)))
+
+
+class ContractWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` (its four methods) over the contract, so that
+    vLLM's trainer-side weight-transfer engines (``NCCLTrainerWeightTransferEngine``
+    and the like) drive an engine server directly:
+
+        client = ContractWeightSyncClient("10.0.0.5:50051", weight_version="42")
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client,
+                                                              source=ModuleSource(model))
+        ... PauseGeneration ...; engine.send_weights(); ... ResumeGeneration ...
+
+    The engine server refuses the update unless generation is paused (or
+    ``allow_unpaused``); ``weight_version`` is set when the update finishes.
+    Blocking calls, as vLLM's trainer engines make them (from their threads).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        weight_version: str | None = None,
+        allow_unpaused: bool = False,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self.weight_version = weight_version
+        self.allow_unpaused = allow_unpaused
+        self._timeout = timeout_s
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._stub.InitWeightTransferEngine(
+            pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode()),
+            timeout=self._timeout,
+        )
+
+    def start_weight_update(self) -> None:
+        options = pb.WeightUpdateOptions(allow_unpaused=self.allow_unpaused)
+        if self.allow_unpaused:
+            options.reset_prefix_cache = False
+        self._stub.StartWeightUpdate(
+            pb.StartWeightUpdateRequest(options=options), timeout=self._timeout
+        )
+
+    def update_weights(self, update_info: Any) -> None:
+        self._stub.UpdateWeights(
+            pb.UpdateWeightsRequest(update_info_json=json.dumps(update_info).encode()),
+            timeout=self._timeout,
+        )
+
+    def finish_weight_update(self) -> None:
+        request = pb.FinishWeightUpdateRequest()
+        if self.weight_version is not None:
+            request.weight_version = self.weight_version
+        self._stub.FinishWeightUpdate(request, timeout=self._timeout)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._stub.ShutdownWeightTransferEngine(
+            pb.ShutdownWeightTransferEngineRequest(), timeout=self._timeout
+        )

@@ -1,0 +1,81 @@
+"""The ``<namespace>.<component>.rl`` request-plane endpoint (``--enable-rl``).
+
+dynamo.vllm describes its RL admin routes there (method ``routes``: their
+names, the worker's system URL, the weight world size), so that a trainer can
+find every worker's admin address through Dynamo's discovery. A backend engine
+never gets the worker's runtime, so the bridge starts a second, small runtime
+in the same process for this one endpoint, without a system server of its own
+(the worker's system port is the bridge's already), and answers with Dynamo's
+own ``RLRouteRegistry``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dynamo.common.rl.admin import RLRouteRegistry
+from dynamo.runtime import DistributedRuntime
+
+from bridge.config import BridgeConfig
+from bridge.rl_admin import Route
+
+log = logging.getLogger(__name__)
+
+
+class _SystemUrl:
+    """What RLRouteRegistry asks the runtime for: the public system URL."""
+
+    def __init__(self, url: str | None) -> None:
+        self._url = url
+
+    def system_status_server_url(self) -> str | None:
+        return self._url
+
+
+class RlEndpoint:
+    def __init__(
+        self, config: BridgeConfig, routes: Mapping[str, Route], system_url: str | None
+    ) -> None:
+        self._config = config
+        # One weight receiver: the engine server's engine (a tensor- or
+        # pipeline-parallel engine loads each rank's share itself).
+        self.registry = RLRouteRegistry(_SystemUrl(system_url), logger_=log, world_size=1)
+        self.registry.add_routes(routes)
+        self._runtime: Any = None
+        self._serving: asyncio.Future[Any] | None = None
+
+    def start(self) -> None:
+        cfg = self._config
+        # Read by the runtime when it starts: without it, no second system server.
+        saved = os.environ.pop("DYN_SYSTEM_PORT", None)
+        try:
+            self._runtime = DistributedRuntime(
+                asyncio.get_running_loop(),
+                cfg.discovery_backend,
+                cfg.request_plane,
+                event_plane=cfg.event_plane,
+            )
+        finally:
+            if saved is not None:
+                os.environ["DYN_SYSTEM_PORT"] = saved
+        path = f"{cfg.namespace}.{cfg.component}.rl"
+        endpoint = self._runtime.endpoint(path)
+        self._serving = asyncio.ensure_future(endpoint.serve_endpoint(self._dispatch))
+        log.info("RL admin routes described on the request plane at dyn://%s", path)
+
+    async def _dispatch(self, request: Any = None, context: Any = None) -> Any:
+        async for answer in self.registry.dispatch_stream(request):
+            yield answer
+
+    async def stop(self) -> None:
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.shutdown()
+        serving, self._serving = self._serving, None
+        if serving is not None:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)

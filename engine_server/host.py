@@ -1,0 +1,389 @@
+"""One call puts a host process's own engine behind Dynamo.
+
+An RL generation worker (a Ray actor owning a vLLM ``AsyncLLM`` on its running
+loop) calls ``start_dynamo_endpoint(engine, model_path=..., ...)`` and its
+engine serves through Dynamo:
+
+- the engine server runs on the host's loop, on a unix socket in a private
+  directory (or where ``config.listen`` says);
+- a bridge (``python -m bridge``) runs as a child process with ``engine_env``
+  in its environment, supervised: its log lines reach the host's logging
+  (logger ``engine_server.host.bridge``, levels kept), and a bridge that dies
+  is restarted with backoff and jitter, the restarts counted;
+- the host's SIGTERM handler keeps working (chained, never replaced): on
+  SIGTERM the bridge is told to leave at once, then the host's handler runs;
+- when the host dies, even by SIGKILL, the bridge follows (parent-death signal
+  and a watcher), so the model leaves Dynamo's discovery within seconds;
+- ``stop()`` stops the bridge, then drains the engine server; the host's engine
+  keeps running.
+
+Only the leader of a tensor- or pipeline-parallel group serves: elsewhere the
+call returns a handle that says so and does nothing.
+
+The engine server never imports Dynamo: the bridge is another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from engine_server.backends.base import EngineBackend
+from engine_server.config import ServerConfig
+from engine_server.server import EngineServerHandle, serve
+
+log = logging.getLogger(__name__)
+bridge_log = logging.getLogger("engine_server.host.bridge")
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The longest bridge log line forwarded whole.
+_LINE_LIMIT = 1 << 20
+_LEVEL = re.compile(r"\b(TRACE|DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL)\b")
+_LEVELS = {
+    "TRACE": logging.DEBUG,
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARN": logging.WARNING,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead bridge is restarted: the pause before restart n is
+    ``min(max_s, initial_s * 2**(n-1))`` times a random factor in [1-jitter,
+    1+jitter]; a bridge that ran ``reset_after_s`` counts as healthy again."""
+
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    jitter: float = 0.2
+    reset_after_s: float = 60.0
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.max_s, self.initial_s * 2 ** max(0, attempt - 1))
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+def _level(line: str) -> int:
+    match = _LEVEL.search(line[:80])
+    return _LEVELS[match.group(1)] if match else logging.INFO
+
+
+class BridgeSupervisor:
+    """Runs ``python -m bridge`` until ``stop()``, restarting it when it dies."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        restart: RestartPolicy,
+        grace_s: float = 30.0,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.restart = restart
+        self.grace_s = grace_s
+        self.restarts = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+
+    @property
+    def pid(self) -> int | None:
+        process = self.process
+        return process.pid if process is not None and process.returncode is None else None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="bridge-supervisor")
+
+    async def wait_started(self) -> None:
+        """Until the first bridge process runs; raises what prevented it."""
+        assert self._task is not None
+        started = asyncio.ensure_future(self._started.wait())
+        await asyncio.wait({started, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        if not self._started.is_set():
+            self._task.result()  # raises the spawn's failure
+            raise RuntimeError("the bridge supervisor ended before the bridge started")
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *self.argv,
+                    env=self.env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,  # the host's terminal signals are the host's
+                    limit=_LINE_LIMIT,
+                )
+            except OSError as e:
+                if not self._started.is_set():
+                    raise  # the first start: the caller hears it
+                failures += 1
+                pause = self.restart.delay(failures)
+                log.error("starting the bridge failed (%s); trying again in %.1fs", e, pause)
+                await asyncio.sleep(pause)
+                continue
+            self.process = process
+            self._started.set()
+            log.info("bridge started (pid %d)", process.pid)
+            await self._forward(process)
+            code = await process.wait()
+            if self._stopping:
+                log.info("bridge (pid %d) stopped with %s", process.pid, code)
+                return
+            failures = (
+                1 if time.monotonic() - started >= self.restart.reset_after_s else failures + 1
+            )
+            self.restarts += 1
+            pause = self.restart.delay(failures)
+            log.error(
+                "bridge (pid %d) exited with %s; restart %d in %.1fs",
+                process.pid,
+                code,
+                self.restarts,
+                pause,
+            )
+            await asyncio.sleep(pause)
+
+    async def _forward(self, process: asyncio.subprocess.Process) -> None:
+        """The bridge's output, line by line, into the host's logging."""
+        assert process.stdout is not None
+        prefix = f"[bridge {process.pid}] "
+        while True:
+            try:
+                line = await process.stdout.readline()
+            except ValueError:  # over the limit: asyncio dropped it
+                bridge_log.warning("%s(a line of over %d bytes, dropped)", prefix, _LINE_LIMIT)
+                continue
+            if not line:
+                return
+            text = _ANSI.sub("", line.decode(errors="replace")).rstrip()
+            if text:
+                bridge_log.log(_level(text), "%s%s", prefix, text)
+
+    def terminate(self) -> None:
+        """SIGTERM the bridge now (signal-handler safe): it leaves discovery."""
+        self._stopping = True
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    async def stop(self) -> None:
+        self.terminate()
+        process = self.process
+        if process is not None and process.returncode is None:
+            try:
+                await asyncio.wait_for(process.wait(), self.grace_s)
+            except TimeoutError:
+                log.error(
+                    "bridge (pid %d) did not stop in %.0fs: killing it", process.pid, self.grace_s
+                )
+                process.kill()
+                await process.wait()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class DynamoEndpoint:
+    """What ``start_dynamo_endpoint`` returns: ``await`` it to wait until it is
+    stopped, ``stop()`` to stop the bridge and the engine server."""
+
+    def __init__(
+        self,
+        server: EngineServerHandle | None = None,
+        bridge: BridgeSupervisor | None = None,
+        private_dir: Path | None = None,
+        reason: str = "",
+    ) -> None:
+        self.server = server
+        self.bridge = bridge
+        self._private_dir = private_dir
+        # Why nothing is served here (not the group's leader), if so.
+        self.reason = reason
+        self._stopped = asyncio.Event()
+        self._stopping: asyncio.Task[None] | None = None
+        if server is None:
+            self._stopped.set()
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None and not self._stopped.is_set()
+
+    @property
+    def address(self) -> str | None:
+        return self.server.address if self.server is not None else None
+
+    @property
+    def restarts(self) -> int:
+        return self.bridge.restarts if self.bridge is not None else 0
+
+    def done(self) -> bool:
+        return self._stopped.is_set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+    async def stop(self, grace_period_s: float | None = None) -> None:
+        """Bridge first (it leaves discovery, its requests finish), then the engine
+        server (drained); the host's engine keeps running. Idempotent."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(grace_period_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_period_s: float | None) -> None:
+        if self.bridge is not None:
+            await self.bridge.stop()
+        if self.server is not None:
+            await self.server.stop(grace_period_s)
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+        self._stopped.set()
+
+
+def _chain_sigterm(endpoint: DynamoEndpoint, loop: asyncio.AbstractEventLoop) -> None:
+    """Run ahead of the host's SIGTERM handling, never instead of it: the bridge
+    leaves discovery at once, then whatever the host installed runs (a Python
+    handler is called; an asyncio handler still gets the signal through its
+    wakeup fd; the default action, termination, is taken)."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("not on the main thread: SIGTERM not chained (stop() the endpoint yourself)")
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if endpoint.bridge is not None:
+            endpoint.bridge.terminate()
+        with contextlib.suppress(RuntimeError):  # the loop may be closed already
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(endpoint.stop()))
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _backend_for(engine: Any) -> EngineBackend:
+    if isinstance(engine, EngineBackend):
+        return engine
+    if "vllm" in sys.modules:  # a host holding an AsyncLLM has imported vLLM
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if isinstance(engine, AsyncLLM):
+            from engine_server.backends.vllm import VllmBackend
+
+            return VllmBackend.from_engine(engine)
+    raise TypeError(
+        f"engine must be a vLLM AsyncLLM or an EngineBackend, got {type(engine).__name__}"
+    )
+
+
+async def start_dynamo_endpoint(
+    engine: Any,
+    *,
+    model_path: str | os.PathLike[str],
+    served_model_name: str | None = None,
+    namespace: str = "dynamo",
+    engine_env: Mapping[str, str] | None = None,
+    bridge_args: Sequence[str] = (),
+    worker_idx: int = 0,
+    leader_worker_idx: int = 0,
+    config: ServerConfig | None = None,
+    restart: RestartPolicy | None = None,
+    exit_after_engine_gone_s: float = 10.0,
+    chain_sigterm: bool = True,
+) -> DynamoEndpoint:
+    """Serve ``engine`` (a vLLM ``AsyncLLM`` the host owns, or an ``EngineBackend``)
+    through Dynamo; see the module docs. Call it on the host's running loop.
+
+    ``model_path``: the folder the frontend reads the tokenizer and config from.
+    ``engine_env``: environment for the Dynamo side (``DYN_*``, ``NATS_SERVER``,
+    ``ETCD_ENDPOINTS``...), over the host's own. ``bridge_args``: more
+    ``python -m bridge`` flags. ``worker_idx``/``leader_worker_idx``: only the
+    leader serves. ``exit_after_engine_gone_s``: how long the bridge waits for a
+    vanished engine server before it leaves (its host is then gone too).
+    """
+    if worker_idx != leader_worker_idx:
+        reason = f"worker {worker_idx} is not the leader ({leader_worker_idx}): not served here"
+        log.info("%s", reason)
+        return DynamoEndpoint(reason=reason)
+    backend = _backend_for(engine)
+    private_dir: Path | None = None
+    if config is None:
+        private_dir = Path(tempfile.mkdtemp(prefix="engine-server-"))  # mode 0700
+        config = ServerConfig(listen=f"unix:{private_dir / 'engine.sock'}")
+    try:
+        # Our wrapper around the host's AsyncLLM stops its relays and leaves the
+        # engine; a backend the host gave us is the host's to stop.
+        server = await serve(backend, config, shutdown_backend=backend is not engine)
+    except BaseException:
+        if private_dir is not None:
+            shutil.rmtree(private_dir, ignore_errors=True)
+        raise
+    info = server.core.info
+    name = served_model_name or (info.model_name if info is not None else None)
+    argv = [
+        sys.executable,
+        "-m",
+        "bridge",
+        "--engine",
+        server.address,
+        "--model-path",
+        os.fspath(model_path),
+        "--namespace",
+        namespace,
+        "--exit-after-engine-gone",
+        f"{exit_after_engine_gone_s:g}",
+    ]
+    if name:
+        argv += ["--served-model-name", name]
+    argv += list(bridge_args)
+    env = {**os.environ, **(engine_env or {}), "BRIDGE_PARENT_PID": str(os.getpid())}
+    bridge = BridgeSupervisor(argv, env, restart or RestartPolicy())
+    endpoint = DynamoEndpoint(server, bridge, private_dir)
+    bridge.start()
+    try:
+        await bridge.wait_started()
+    except BaseException:
+        await endpoint.stop(grace_period_s=0)
+        raise
+    if chain_sigterm:
+        _chain_sigterm(endpoint, asyncio.get_running_loop())
+    log.info(
+        "engine served on %s; bridge pid %s registers %r in namespace %r",
+        server.address,
+        bridge.pid,
+        name,
+        namespace,
+    )
+    return endpoint

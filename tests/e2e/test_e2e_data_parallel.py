@@ -1,0 +1,118 @@
+"""Data-parallel ranks behind one bridge: a sim engine server with two ranks (each its
+own prefix cache), Dynamo's KV router choosing the rank, the bridge forwarding it.
+
+Repeated prefixes go to the rank that holds them, both ranks get work, and the
+KV events of a rank only ever name that rank's blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_contract.v1 import engine_pb2 as pb
+from harness.http import http_json
+from harness.procs import ProcessGroup
+from harness.stack import Stack
+
+pytestmark = pytest.mark.dynamo
+
+MODEL = "tiny-dp"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def dp_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("dp-stack")
+    with ProcessGroup(root / "logs") as group:
+        stack = Stack.new(root, group, model_dir, MODEL)
+        _, address = stack.start_engine(
+            "engine",
+            "--dp-size",
+            "2",
+            "--block-size",
+            str(BLOCK),
+            "--eos-rate",
+            "0",
+            "--decode-step-ms",
+            "1",
+        )
+        stack.start_bridge("bridge", address)
+        stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
+        stack.wait_serving(timeout=60)
+        yield stack
+
+
+def served_by(stack: Stack, prompt: list[int]) -> int:
+    """The data-parallel rank the router chose for this request."""
+    status, body = http_json(
+        f"{stack.base_url}/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "nvext": {"extra_fields": ["worker_id"]},
+        },
+    )
+    assert status == 200, body
+    return int(body["nvext"]["worker_id"]["decode_dp_rank"])
+
+
+def test_the_server_reports_its_ranks(dp_stack: Stack) -> None:
+    channel, stub = dp_stack.engine_stub()
+    with channel:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        assert info.engine_config.data_parallel_size == 2
+        bad = pb.RolloutRequest(request_id="r", prompt_token_ids=[5], data_parallel_rank=2)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Rollout(bad, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "data_parallel_rank" in e.value.details()
+
+
+def test_repeated_prefixes_go_to_the_rank_that_holds_them(dp_stack: Stack) -> None:
+    channel, stub = dp_stack.engine_stub()
+    batches: list[pb.KvEventBatch] = []
+    subscription = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(max_batches_per_message=64))
+
+    def collect() -> None:
+        try:
+            for message in subscription:
+                batches.extend([message.batch, *message.batches])
+        except grpc.RpcError:
+            pass
+
+    reader = threading.Thread(target=collect, daemon=True)
+    reader.start()
+    prefixes = [[(p * 97 + i * 7) % 900 + 3 for i in range(6 * BLOCK)] for p in range(8)]
+    first = {p: served_by(dp_stack, [*prefixes[p], 1000 - p]) for p in range(len(prefixes))}
+    assert set(first.values()) == {0, 1}, first  # both ranks got new prefixes
+    for rnd in range(2):
+        for p, prefix in enumerate(prefixes):
+            assert served_by(dp_stack, [*prefix, 900 + rnd, 901 + p]) == first[p], (p, first)
+    subscription.cancel()
+    reader.join(5)
+    channel.close()
+    # Rank-tagged events never cross ranks: every stored block belongs to one rank,
+    # and each prefix's first block to the rank that served it.
+    rank_of: dict[int, set[int]] = defaultdict(set)
+    for batch in batches:
+        for event in batch.events:
+            if event.WhichOneof("event") == "stored":
+                for block_hash in event.stored.block_hashes:
+                    rank_of[block_hash].add(batch.data_parallel_rank)
+    assert rank_of and all(len(ranks) == 1 for ranks in rank_of.values())
+    firsts: dict[tuple[int, ...], int] = {}
+    for batch in batches:
+        for event in batch.events:
+            if event.WhichOneof("event") == "stored" and not event.stored.HasField(
+                "parent_block_hash"
+            ):
+                firsts[tuple(event.stored.token_ids[:BLOCK])] = batch.data_parallel_rank
+    for p, prefix in enumerate(prefixes):
+        assert firsts[tuple(prefix[:BLOCK])] == first[p]

@@ -1,0 +1,137 @@
+"""Engine servers swapped in place: a new instance at the bridge's address is re-read
+and served (another backend, another contract revision) when it fits what the
+worker registered with Dynamo, and refused loudly (out of the router's pool)
+when it does not; the frontend is never restarted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge import driver
+from harness.engine import tiny_vllm_args
+from harness.http import http_json
+from harness.ports import free_port
+from harness.procs import Proc, ProcessGroup
+from harness.stack import Stack, registered_workers
+from harness.waits import wait_until
+from tests.faults.faults_common import record
+from tests.faults.test_faults_version_skew import SKEWED, skew
+
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+
+MODEL = "tiny-swap"
+# What vLLM's CPU build serves the tiny model with (tiny_vllm_args): the sim
+# takes the same shape, so that either can stand in for the other.
+SHAPE = ("--block-size", "32", "--context-length", "1024")
+
+
+def rollout(stack: Stack) -> driver.RolloutResult:
+    status, body = http_json(
+        f"{stack.base_url}/v1/completions",
+        driver.build_rollout_body(MODEL, [5, 6, 7, 8], greedy=True, max_tokens=4),
+    )
+    assert status == 200, body
+    return driver.parse_rollout_response(body)
+
+
+def served_by_new(stack: Stack, bridge: Proc, old: str, timeout: float = 20) -> tuple[str, float]:
+    """Until a rollout comes back from an instance other than ``old``."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        try:
+            instance = rollout(stack).instance_id
+        except AssertionError:
+            instance = old
+        if instance != old:
+            return instance, time.monotonic() - started
+        assert time.monotonic() < deadline, bridge.log_tail()
+        time.sleep(0.2)
+
+
+def test_replacements_that_fit_are_served_and_others_refused(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    with ProcessGroup(tmp_path / "logs") as group:
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
+        engine, address = stack.start_engine("sim", *SHAPE, listen=listen)
+        bridge = stack.start_bridge("bridge", address)
+        stack.start_frontend()
+        stack.wait_serving()
+        first = rollout(stack).instance_id
+
+        # A revision-1 server (no Rollouts stream) at the same address.
+        engine.kill()
+        engine, _ = stack.start_engine(
+            "sim-rev1", *SHAPE, listen=listen, env=skew(1), launcher=SKEWED
+        )
+        second, rev1_s = served_by_new(stack, bridge, first)
+        log = bridge.log_tail(100_000)
+        assert ", contract 1, rollouts one call each)" in log, log[-3000:]
+
+        # One that does not fit the registration (another KV block size): refused.
+        engine.kill()
+        engine, _ = stack.start_engine(
+            "sim-misfit", "--block-size", "16", "--context-length", "1024", listen=listen
+        )
+        wait_until(
+            lambda: "KV block size 32 -> 16" in bridge.log_tail(100_000),
+            20,
+            "refusal logged",
+            [bridge],
+        )
+        wait_until(
+            lambda: registered_workers(stack.kv_dir, stack.namespace) == 0,
+            10,
+            "out of the pool",
+            [bridge],
+        )
+        status, _ = http_json(
+            f"{stack.base_url}/v1/completions",
+            driver.build_rollout_body(MODEL, [5, 6, 7, 8], greedy=True, max_tokens=4),
+        )
+        assert status != 200
+
+        # A fitting one again: back in the pool and served.
+        engine.kill()
+        stack.start_engine("sim-again", *SHAPE, listen=listen)
+        third, back_s = served_by_new(stack, bridge, second)
+        assert third not in (first, second)
+        assert registered_workers(stack.kv_dir, stack.namespace) == 1
+        assert bridge.alive()
+        record(
+            "engine_swap",
+            revision1_served_after_s=round(rev1_s, 2),
+            fitting_served_again_after_s=round(back_s, 2),
+        )
+
+
+@pytest.mark.vllm
+def test_sim_replaced_by_vllm_at_the_same_address(tmp_path: Path, model_dir: Path) -> None:
+    pytest.importorskip("vllm")
+    listen = f"127.0.0.1:{free_port()}"
+    with ProcessGroup(tmp_path / "logs") as group:
+        stack = Stack.new(tmp_path, group, model_dir, MODEL)
+        engine, address = stack.start_engine("sim", *SHAPE, listen=listen)
+        bridge = stack.start_bridge("bridge", address)
+        stack.start_frontend()
+        stack.wait_serving()
+        first = rollout(stack).instance_id
+        engine.kill()
+        stack.start_engine(
+            "vllm",
+            *tiny_vllm_args(max_model_len=1024),
+            "--block-size",
+            "32",
+            backend="vllm",
+            listen=listen,
+            timeout=240,
+        )
+        _, took = served_by_new(stack, bridge, first, timeout=30)
+        assert "(vllm " in bridge.log_tail(100_000)
+        record("engine_swap_vllm", served_after_vllm_ready_s=round(took, 2))

