@@ -85,24 +85,45 @@ class WeightWriter(ABC):
 
 
 class OffLoop:
-    """A writer's blocking work (digests, file writes) on a thread of its own, one
-    chunk behind: the next chunk arrives while this one is worked on, and the
-    event loop keeps answering (health, GetLoad) during a large update."""
+    """A writer's blocking work (digests, file writes) on a thread of its own, a
+    batch behind: chunks gather until ``batch_bytes``, then go to the thread
+    together while the next ones arrive, so the event loop hands over rarely and
+    keeps answering (health, GetLoad) during a large update."""
 
-    def __init__(self, work: Callable[[memoryview], None]) -> None:
+    def __init__(self, work: Callable[[memoryview], None], batch_bytes: int = 8 << 20) -> None:
         self._work = work
+        self._batch_bytes = batch_bytes
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
         self._pending: asyncio.Future[None] | None = None
+        self._batch: list[memoryview] = []
+        self._batched = 0
 
     async def submit(self, data: memoryview) -> None:
-        await self.drain()
-        self._pending = asyncio.get_running_loop().run_in_executor(self._pool, self._work, data)
+        self._batch.append(data)
+        self._batched += len(data)
+        if self._batched >= self._batch_bytes:
+            await self._hand_over()
 
-    async def drain(self) -> None:
-        """Wait for the work submitted so far (raising what it raised)."""
+    async def _hand_over(self) -> None:
+        await self._wait()
+        batch, self._batch, self._batched = self._batch, [], 0
+        if batch:
+            loop = asyncio.get_running_loop()
+            self._pending = loop.run_in_executor(self._pool, self._run, batch)
+
+    def _run(self, batch: list[memoryview]) -> None:
+        for data in batch:
+            self._work(data)
+
+    async def _wait(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             await pending
+
+    async def drain(self) -> None:
+        """Finish everything submitted so far (raising what the work raised)."""
+        await self._hand_over()
+        await self._wait()
 
     async def close(self) -> None:
         try:
