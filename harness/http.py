@@ -39,6 +39,22 @@ def http_json(
         return status, text
 
 
+def routed_to(base_url: str, model: str, prompt: list[int]) -> dict[str, Any]:
+    """Where the frontend's router sent a short completion of ``prompt``: its
+    ``nvext.worker_id`` (decode_worker_id, decode_dp_rank, ...)."""
+    status, body = http_json(
+        f"{base_url}/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "nvext": {"extra_fields": ["worker_id"]},
+        },
+    )
+    assert status == 200, body
+    return dict(body["nvext"]["worker_id"])
+
+
 def served_models(base_url: str) -> list[str]:
     """The model names the frontend lists now (none while it does not answer)."""
     status, body = http_json(f"{base_url}/v1/models", timeout=5)

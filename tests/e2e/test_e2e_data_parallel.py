@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
-from harness.http import http_json
+from harness.http import routed_to
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 
@@ -50,17 +50,7 @@ def dp_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Itera
 
 def served_by(stack: Stack, prompt: list[int]) -> int:
     """The data-parallel rank the router chose for this request."""
-    status, body = http_json(
-        f"{stack.base_url}/v1/completions",
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": 2,
-            "nvext": {"extra_fields": ["worker_id"]},
-        },
-    )
-    assert status == 200, body
-    return int(body["nvext"]["worker_id"]["decode_dp_rank"])
+    return int(routed_to(stack.base_url, MODEL, prompt)["decode_dp_rank"])
 
 
 def test_the_server_reports_its_ranks(dp_stack: Stack) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.http import http_json
+from harness.http import routed_to
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 
@@ -45,17 +45,7 @@ def kv_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Itera
 
 
 def worker_of(stack: Stack, prompt: list[int]) -> int:
-    status, body = http_json(
-        f"{stack.base_url}/v1/completions",
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": 2,
-            "nvext": {"extra_fields": ["worker_id"]},
-        },
-    )
-    assert status == 200, body
-    return int(body["nvext"]["worker_id"]["decode_worker_id"])
+    return int(routed_to(stack.base_url, MODEL, prompt)["decode_worker_id"])
 
 
 def test_repeated_prefixes_go_to_the_worker_that_holds_them(kv_stack: Stack) -> None:

@@ -53,17 +53,25 @@ def served_by_new(stack: Stack, bridge: Proc, old: str, timeout: float = 20) -> 
         time.sleep(0.2)
 
 
+def sim_stack(
+    tmp_path: Path, group: ProcessGroup, model_dir: Path, listen: str
+) -> tuple[Stack, Proc, Proc, str]:
+    """A sim engine server of vLLM's shape at ``listen``, a bridge and a frontend:
+    (stack, engine, bridge, the instance the first rollout came from)."""
+    stack = Stack.new(tmp_path, group, model_dir, MODEL)
+    engine, address = stack.start_engine("sim", *SHAPE, listen=listen)
+    bridge = stack.start_bridge("bridge", address)
+    stack.start_frontend()
+    stack.wait_serving()
+    return stack, engine, bridge, rollout(stack).instance_id
+
+
 def test_replacements_that_fit_are_served_and_others_refused(
     tmp_path: Path, model_dir: Path
 ) -> None:
     listen = f"127.0.0.1:{free_port()}"
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = Stack.new(tmp_path, group, model_dir, MODEL)
-        engine, address = stack.start_engine("sim", *SHAPE, listen=listen)
-        bridge = stack.start_bridge("bridge", address)
-        stack.start_frontend()
-        stack.wait_serving()
-        first = rollout(stack).instance_id
+        stack, engine, bridge, first = sim_stack(tmp_path, group, model_dir, listen)
 
         # A revision-1 server (no Rollouts stream) at the same address.
         engine.kill()
@@ -116,12 +124,7 @@ def test_sim_replaced_by_vllm_at_the_same_address(tmp_path: Path, model_dir: Pat
     pytest.importorskip("vllm")
     listen = f"127.0.0.1:{free_port()}"
     with ProcessGroup(tmp_path / "logs") as group:
-        stack = Stack.new(tmp_path, group, model_dir, MODEL)
-        engine, address = stack.start_engine("sim", *SHAPE, listen=listen)
-        bridge = stack.start_bridge("bridge", address)
-        stack.start_frontend()
-        stack.wait_serving()
-        first = rollout(stack).instance_id
+        stack, engine, bridge, first = sim_stack(tmp_path, group, model_dir, listen)
         engine.kill()
         stack.start_engine(
             "vllm",
