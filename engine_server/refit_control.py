@@ -230,9 +230,9 @@ class RefitControl:
                 # Always, also when not paused: an engine paused by a pause whose
                 # caller went away is released this way.
                 await _to_the_end(self._backend.resume())
-            except RefitUnsupported:
+            except RefitUnsupported as e:
                 if was_paused:
-                    raise
+                    raise _unsupported(e) from e
             self.paused = None
             self._notify()
             if was_paused:
