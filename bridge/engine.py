@@ -99,6 +99,7 @@ class BridgeEngine(LLMEngine):
         # mismatch), if so: out of the pool until a fitting one is back.
         self.unservable: str | None = None
         self._refreshing: asyncio.Task[None] | None = None
+        self._refresh_lock = asyncio.Lock()
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[BridgeEngine, WorkerConfig]:
@@ -223,6 +224,10 @@ class BridgeEngine(LLMEngine):
     async def _refresh_info(self) -> None:
         """Re-read the engine server's info; adapt to a new instance, or leave the
         pool (loudly) when Dynamo's registration cannot follow what changed."""
+        async with self._refresh_lock:  # the watch and the KV relay may both ask
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         client, old = self._client, self.info
         if client is None or old is None:
             return
@@ -249,8 +254,7 @@ class BridgeEngine(LLMEngine):
                 "that; restart the bridge to register it"
             )
             return
-        if self.unservable is not None:
-            log.info("a fitting engine server is back at %s", client.address)
+        was_unservable = self.unservable is not None
         self.unservable = None
         self.info, self.instance_id = info, info.instance_id
         client.use_server_limits(info)
@@ -264,6 +268,11 @@ class BridgeEngine(LLMEngine):
             info.contract_revision,
             "multiplexed on a stream" if self._stream_rollouts else "one call each",
         )
+        watch = self._watch
+        if was_unservable and (watch is None or watch.serving):
+            # Back in the pool now: a quick swap may never fail a health probe, so
+            # the watch would not tell.
+            await self.registration.rejoin(f"a fitting engine server is back at {client.address}")
 
     async def _refuse(self, why: str) -> None:
         if self.unservable != why:
@@ -421,6 +430,8 @@ class BridgeEngine(LLMEngine):
             except TimeoutError:
                 call.cancel()
                 raise errors.rollout_timed_out(timeout) from None
+            if response.instance_id and response.instance_id != self.instance_id:
+                self._set_instance(response.instance_id)  # swapped under us: re-read it
             chunk = codec.rollout_chunk(response)
         except asyncio.CancelledError:
             if entry.stalled:
