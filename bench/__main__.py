@@ -1,6 +1,6 @@
 """``make bench``: the gRPC hop's cost, measured side by side in one run.
 
-    python -m bench [--parts 4,1,2,3,5,6] [--reps 5] [--quick] [--out bench-results]
+    python -m bench [--parts 4,1,7,2,3,5,6] [--reps 5] [--quick] [--out bench-results]
 
 1. Rollouts through Dynamo's frontend at concurrency 1/16/64/256: (a) a Dynamo
    worker serving the simulated engine in its own process, (b) bridge + engine
@@ -15,6 +15,8 @@
    ``AsyncLLM`` called directly (``bench/vllm_stack.py``).
 6. The refit cycle: pause -> update -> resume, weights streamed over TCP and a
    unix socket next to loaded from disk (``bench/refit.py``).
+7. Streamed completions through Dynamo's frontend at concurrency 1/16/64, one
+   process against two, with time to first token (``bench/streaming.py``).
 
 Within a part, configurations are interleaved (each repetition runs every
 configuration, in a rotating order: ``bench/measure.py``) and medians over
@@ -39,7 +41,15 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import frontend_rollouts, hop, kv_events, large_rollout, refit, vllm_stack
+from bench import (
+    frontend_rollouts,
+    hop,
+    kv_events,
+    large_rollout,
+    refit,
+    streaming,
+    vllm_stack,
+)
 from bench.context import Bench, Options, say
 from bench.report import PartResult
 from harness import ROOT
@@ -53,9 +63,10 @@ PARTS: dict[int, Part] = {
     4: kv_events.run,
     5: vllm_stack.run,
     6: refit.run,
+    7: streaming.run,
 }
-# Parts 1 and 2 measure the same simulated engine servers.
-SIM_ENGINE_PARTS = {1, 2}
+# Parts 1, 2 and 7 measure the same simulated engine servers.
+SIM_ENGINE_PARTS = {1, 2, 7}
 
 
 @dataclasses.dataclass
@@ -127,7 +138,7 @@ def as_json(meta: Meta, results: dict[int, PartResult]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--parts", default="4,1,2,3,5,6", help="which parts, in this order (default: all)"
+        "--parts", default="4,1,7,2,3,5,6", help="which parts, in this order (default: all)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")

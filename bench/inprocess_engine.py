@@ -1,9 +1,10 @@
 """(a) of ``make bench``: a Dynamo ``LLMEngine`` that serves the engine in its own process.
 
-The one-process design the bridge is measured against: the same rollout
-mapping (``bridge.codec``), the same admission and result assembly (the engine
-server's servicer code through ``bench.local_engine``), the same KV-event
-relay logic (``bridge.kv_view``), and no gRPC hop.
+The one-process design the bridge is measured against: the same request
+mapping (``bridge.codec``) for rollouts and streamed completions, the same
+admission and result assembly (the engine server's core through
+``bench.local_engine``), the same KV-event relay logic (``bridge.kv_view``),
+and no gRPC hop.
 
     python -m bench.inprocess_engine <bridge flags without --engine> -- <engine server flags>
 """
@@ -11,6 +12,7 @@ relay logic (``bridge.kv_view``), and no gRPC hop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import sys
@@ -89,16 +91,21 @@ class InProcessEngine(LLMEngine):
         normalize_request_token_ids(request)
         try:
             spec = codec.parse_request_kind(request.get("annotations"))  # type: ignore[arg-type]
-            if spec is None:
-                raise codec.RequestError("the in-process bench engine serves rollouts only")
         except codec.RequestError as e:
             raise errors.to_dynamo(e) from e
         context_id = context.id()
-        request_id = spec.request_id or context_id
+        request_id = (spec.request_id if spec is not None else None) or context_id
         self._inflight[context_id] = request_id
         try:
-            message = codec.build_rollout_request(request_id, request, spec)
-            response = await self.local.rollout(message)
+            if spec is None:
+                stream = self.local.generate(codec.build_generate_request(request_id, request))
+                async with contextlib.aclosing(stream):
+                    async for message in stream:
+                        yield codec.generate_chunk(message)
+                return
+            response = await self.local.rollout(
+                codec.build_rollout_request(request_id, request, spec)
+            )
             chunk = codec.rollout_chunk(response)
         except Exception as e:
             raise errors.to_dynamo(e) from e

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server import cli
@@ -19,7 +19,8 @@ from engine_server.core import ServerCore
 
 class LocalEngine:
     """``LocalEngine(["--backend", "sim", "--zero-delay", ...])``; ``await start()``,
-    then ``await rollout(pb.RolloutRequest)`` as the Rollout RPC would answer it."""
+    then ``await rollout(pb.RolloutRequest)`` as the Rollout RPC would answer it,
+    or ``generate(pb.GenerateRequest)`` for the Generate RPC's messages."""
 
     def __init__(self, argv: Sequence[str]) -> None:
         backend, config = cli.backend_and_config(cli.parse_args(list(argv)))
@@ -41,6 +42,10 @@ class LocalEngine:
 
     async def rollout(self, request: pb.RolloutRequest) -> pb.RolloutResponse:
         return await self.core.rollout(request)
+
+    def generate(self, request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The Generate RPC's messages; close the iterator early to abort."""
+        return self.core.generate(request)
 
     async def abort(self, request_id: str) -> None:
         await self.core.registry.abort(request_id)

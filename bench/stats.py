@@ -24,6 +24,8 @@ class Cell:
     errors: int = 0
     # CPU milliseconds per request, by process role (when measured).
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    # Time to the first token of each streamed request (when ``send`` reports it).
+    ttfts_s: list[float] = field(default_factory=list, repr=False)
 
     @property
     def rps(self) -> float:
@@ -36,6 +38,10 @@ class Cell:
     @property
     def p99_ms(self) -> float:
         return percentile(self.latencies_s, 99) * 1000
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return percentile(self.ttfts_s, 50) * 1000
 
 
 @dataclass
@@ -52,6 +58,8 @@ class Summary:
     reps: int
     # Per repetition, in order, for ratios paired within a repetition.
     rps_reps: list[float]
+    # Median time to first token (streamed requests; NaN otherwise).
+    ttft_p50_ms: float = float("nan")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -80,8 +88,10 @@ async def closed_loop(
     concurrency: int,
     n: int,
 ) -> Cell:
-    """``n`` calls of ``send(i)``, ``concurrency`` at a time; latency of each."""
+    """``n`` calls of ``send(i)``, ``concurrency`` at a time; latency of each, and
+    the time to first token when ``send`` returns it (seconds, a float)."""
     latencies: list[float] = []
+    ttfts: list[float] = []
     errors = 0
     next_index = 0
 
@@ -92,11 +102,13 @@ async def closed_loop(
             next_index += 1
             started = time.perf_counter()
             try:
-                await send(i)
+                ttft = await send(i)
             except Exception:
                 errors += 1
                 continue
             latencies.append(time.perf_counter() - started)
+            if isinstance(ttft, float):
+                ttfts.append(ttft)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
@@ -104,7 +116,7 @@ async def closed_loop(
     if errors and not latencies:
         # Surface the failure instead of reporting zeros.
         await send(0)
-    return Cell(config, concurrency, n - errors, seconds, latencies, errors)
+    return Cell(config, concurrency, n - errors, seconds, latencies, errors, ttfts_s=ttfts)
 
 
 def summarize(cells: Sequence[Cell]) -> Summary:
@@ -120,4 +132,7 @@ def summarize(cells: Sequence[Cell]) -> Summary:
         },
         reps=len(cells),
         rps_reps=[c.rps for c in cells],
+        ttft_p50_ms=median([c.ttft_p50_ms for c in cells if c.ttfts_s])
+        if any(c.ttfts_s for c in cells)
+        else float("nan"),
     )

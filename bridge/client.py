@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import engine_contract
+from bridge.generate_mux import GenerateMux, PendingGenerate
 from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
@@ -107,19 +108,23 @@ class EngineClient:
         self._rollouts = RolloutMux(
             lambda: self._stub.Rollouts(wait_for_ready=False), self.options.max_message_bytes
         )
+        self._generates = GenerateMux(
+            lambda: self._stub.Generates(wait_for_ready=False), self.options.max_message_bytes
+        )
 
     def use_server_limits(self, info: pb.GetServerInfoResponse) -> None:
-        """Keep the rollouts stream within the server's announced limits: message
-        size, starts per message, rollouts on the stream (revision 3)."""
+        """Keep the rollouts and completions streams within the server's announced
+        limits: message size, starts per message, requests on a stream (revision 3)."""
         limits = info.limits
-        if limits.max_message_bytes > 0:
-            self._rollouts.max_message_bytes = min(
-                self.options.max_message_bytes, limits.max_message_bytes
+        for mux in (self._rollouts, self._generates):
+            if limits.max_message_bytes > 0:
+                mux.max_message_bytes = min(
+                    self.options.max_message_bytes, limits.max_message_bytes
+                )
+            mux.limits = StreamLimits(
+                max_starts=limits.max_starts_per_message,
+                max_in_flight=limits.max_rollouts_per_stream,
             )
-        self._rollouts.limits = StreamLimits(
-            max_starts=limits.max_starts_per_message,
-            max_in_flight=limits.max_rollouts_per_stream,
-        )
 
     async def wait_ready(self, timeout_s: float) -> pb.GetServerInfoResponse:
         """Wait for GetServerInfo to succeed (UNAVAILABLE until the engine is up), then
@@ -192,6 +197,11 @@ class EngineClient:
     def generate(self, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         return self._stub.Generate(request, wait_for_ready=False)
 
+    def stream_generate(self, request: pb.GenerateRequest) -> PendingGenerate:
+        """A completion on the shared Generates stream; iterate it for its deltas,
+        cancel() to abort. Fails like the Generate call would."""
+        return self._generates.start(request)
+
     async def abort(self, request_id: str, instance_id: str = "") -> pb.AbortResponse:
         return await self._stub.Abort(
             pb.AbortRequest(request_id=request_id, instance_id=instance_id),
@@ -212,6 +222,7 @@ class EngineClient:
 
     async def close(self) -> None:
         await self._rollouts.close()
+        await self._generates.close()
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close(grace=None)

@@ -64,6 +64,9 @@ class Chunk(TypedDict, total=False):
     top_logprobs: list[list[dict[str, Any]]]
     engine_data: dict[str, Any]
     stop_reason: int | str
+    # Present (even empty): the frontend takes the chunk as decoded already and
+    # neither detokenizes it nor applies stop conditions to it.
+    text: str
 
 
 class RequestError(ValueError):
@@ -239,13 +242,16 @@ def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
 def rollout_chunk(resp: pb.RolloutResponse) -> Chunk:
     """The rollout's one and only chunk.
 
-    ``token_ids`` is empty on purpose: the frontend's EOS and stop-string handling
-    (it hides EOS, cuts at stop strings and then aborts the engine) works on the
-    chunk's tokens, and a rollout must come back exactly as the engine made it.
-    The result travels whole in ``engine_data``; usage still counts the tokens.
+    The result travels whole in ``engine_data``. ``token_ids`` are there too so
+    that the frontend's usage (it counts the chunks' tokens, not
+    ``completion_usage``), its token metrics and tools like aiperf see the real
+    completion; ``text`` is set (empty) so that the frontend passes the chunk
+    through as decoded already: no detokenizing, no EOS hiding, no stop strings
+    applied, and a rollout comes back exactly as the engine made it.
     """
     chunk: Chunk = {
-        "token_ids": [],
+        "token_ids": list(resp.token_ids),
+        "text": "",
         "index": 0,
         "finish_reason": _FINISH_REASONS.get(resp.finish_reason, "error"),
         "completion_usage": completion_usage(resp.usage),

@@ -97,6 +97,9 @@ class BridgeConfig:
     # (contract revision 2), "unary" makes one Rollout call each, "auto" streams
     # when the engine server serves Rollouts.
     rollout_transport: str = "auto"
+    # The same for ordinary (streamed) completions: "stream" multiplexes them over
+    # one Generates stream (contract revision 4), "unary" makes one Generate call each.
+    generate_transport: str = "auto"
     # How long the engine server may hold KV-event batches back to send several
     # in one message (fewer messages, each costing both sides more CPU than its
     # events); the router sees events at most this much later.
@@ -144,6 +147,11 @@ class BridgeConfig:
             raise ValueError(
                 f"rollout transport must be one of {', '.join(ROLLOUT_TRANSPORTS)}, "
                 f"got {self.rollout_transport!r}"
+            )
+        if self.generate_transport not in ROLLOUT_TRANSPORTS:
+            raise ValueError(
+                f"generate transport must be one of {', '.join(ROLLOUT_TRANSPORTS)}, "
+                f"got {self.generate_transport!r}"
             )
 
 
@@ -231,6 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
         "one Rollouts stream (far less CPU per rollout on both sides), 'unary' makes "
         "one Rollout call each, 'auto' streams when the server serves Rollouts "
         "(contract revision 2 and later).",
+    )
+    add_argument(
+        g,
+        flag_name="--generate-transport",
+        env_var="BRIDGE_GENERATE_TRANSPORT",
+        default="auto",
+        choices=list(ROLLOUT_TRANSPORTS),
+        help="How ordinary completions reach the engine server: 'stream' multiplexes "
+        "them over one Generates stream, their deltas packed together, 'unary' makes "
+        "one Generate call each, 'auto' streams when the server serves Generates "
+        "(contract revision 4 and later).",
     )
     add_argument(
         g,
@@ -355,6 +374,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         log_level=args.log_level.upper(),
         kv_events=not args.disable_kv_events,
         rollout_transport=args.rollout_transport,
+        generate_transport=args.generate_transport,
         kv_max_delay_ms=args.kv_max_delay_ms,
         endpoint_types=endpoint_types,
         endpoint_types_reason=why,

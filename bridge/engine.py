@@ -37,6 +37,7 @@ from bridge import codec, errors
 from bridge.client import EngineClient, IncompatibleServerError, check_compatible
 from bridge.config import BridgeConfig, parse_args
 from bridge.engine_watch import EngineWatch
+from bridge.generate_mux import PendingGenerate
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
@@ -84,6 +85,7 @@ class BridgeEngine(LLMEngine):
         self._inflight: dict[str, _InFlight] = {}
         self._closed = False
         self._stream_rollouts = False
+        self._stream_generates = False
         self._watch: EngineWatch | None = None
         self.registration = Registration(config.discovery_backend, on_lost=self._registration_lost)
         self._worker_id = 0
@@ -138,10 +140,11 @@ class BridgeEngine(LLMEngine):
         self._registered = info  # what Dynamo is told; a replacement must fit it
         self._client.use_server_limits(info)
         self._stream_rollouts = self._choose_rollout_transport(info)
+        self._stream_generates = self._choose_generate_transport(info)
         ec = info.engine_config
         log.info(
             "engine server %s ready: %s (%s %s, contract %d), context %d, block size %d, "
-            "rollouts %s",
+            "rollouts %s, completions %s",
             info.instance_id,
             info.model_name,
             info.backend_name,
@@ -150,6 +153,7 @@ class BridgeEngine(LLMEngine):
             ec.context_length,
             ec.kv_block_size,
             "multiplexed on a stream" if self._stream_rollouts else "one call each",
+            "multiplexed on a stream" if self._stream_generates else "one call each",
         )
         log.info("registering endpoint types %s: %s", cfg.endpoint_types, cfg.endpoint_types_reason)
         return EngineConfig(
@@ -175,6 +179,19 @@ class BridgeEngine(LLMEngine):
                 f"engine server at {self.config.engine_address} implements contract revision "
                 f"{info.contract_revision}, without the Rollouts stream (revision "
                 f"{engine_contract.ROLLOUTS_STREAM_REVISION}) that --rollout-transport "
+                "stream needs: upgrade the engine server or use auto"
+            )
+        return transport == "stream" or (transport == "auto" and serves_stream)
+
+    def _choose_generate_transport(self, info: pb.GetServerInfoResponse) -> bool:
+        """True to multiplex completions; refuses a server too old for a required stream."""
+        serves_stream = info.contract_revision >= engine_contract.GENERATES_STREAM_REVISION
+        transport = self.config.generate_transport
+        if transport == "stream" and not serves_stream:
+            raise IncompatibleServerError(
+                f"engine server at {self.config.engine_address} implements contract revision "
+                f"{info.contract_revision}, without the Generates stream (revision "
+                f"{engine_contract.GENERATES_STREAM_REVISION}) that --generate-transport "
                 "stream needs: upgrade the engine server or use auto"
             )
         return transport == "stream" or (transport == "auto" and serves_stream)
@@ -259,14 +276,17 @@ class BridgeEngine(LLMEngine):
         self.info, self.instance_id = info, info.instance_id
         client.use_server_limits(info)
         self._stream_rollouts = self._choose_rollout_transport(info)
+        self._stream_generates = self._choose_generate_transport(info)
         log.info(
-            "engine server replaced: instance %s -> %s (%s %s, contract %d, rollouts %s)",
+            "engine server replaced: instance %s -> %s (%s %s, contract %d, rollouts %s, "
+            "completions %s)",
             old.instance_id,
             info.instance_id,
             info.backend_name,
             info.backend_version,
             info.contract_revision,
             "multiplexed on a stream" if self._stream_rollouts else "one call each",
+            "multiplexed on a stream" if self._stream_generates else "one call each",
         )
         watch = self._watch
         if was_unservable and (watch is None or watch.serving):
@@ -459,7 +479,11 @@ class BridgeEngine(LLMEngine):
             rank = self._routed_rank(request)
             if rank is not None:
                 message.data_parallel_rank = rank
-            call = client.generate(message)
+            call: PendingGenerate | grpc.aio.UnaryStreamCall = (
+                client.stream_generate(message)
+                if self._stream_generates
+                else client.generate(message)
+            )
             entry.call = call
             async for response in call:
                 chunk = codec.generate_chunk(response)

@@ -20,17 +20,23 @@ this file and ``v1/__init__.py`` are written by hand.
 #      tensors or a weight-transfer engine, weight versions, sleep/wake),
 #      rl_capabilities and refit_state, weight_versions spans on every result.
 #      Data-parallel ranks: a request may name its rank; data_parallel_start_rank.
-CONTRACT_REVISION = 3
+#   4  Generates: ordinary completions multiplexed over one bidirectional
+#      stream, their deltas packed (and merged per completion) under load.
+CONTRACT_REVISION = 4
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout
 # calls on older servers).
 ROLLOUTS_STREAM_REVISION = 2
+# The first server revision that serves Generates (clients fall back to Generate
+# calls on older servers).
+GENERATES_STREAM_REVISION = 4
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
 __all__ = [
     "CONTRACT_REVISION",
+    "GENERATES_STREAM_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",
     "ROLLOUTS_STREAM_REVISION",

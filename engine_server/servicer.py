@@ -3,7 +3,7 @@
 What a request means lives in ``ServerCore``; this module adds only what gRPC
 needs: the status boundary (``status.rpc``), the write watchdog on server
 streams (a client that stops reading must not keep engine requests alive), the
-``Rollouts`` streams, and the call's response headers.
+``Rollouts`` and ``Generates`` streams, and the call's response headers.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -19,14 +20,16 @@ from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.admission import check_id_length
 from engine_server.core import ServerCore
 from engine_server.errors import CapacityExceeded, StreamStalled
+from engine_server.generate_stream import GenerateStream
 from engine_server.rollout_stream import RolloutStream
 from engine_server.status import rpc
+from engine_server.tagged_stream import TaggedStream
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, core: ServerCore) -> None:
         self._core = core
-        self._streams: set[RolloutStream] = set()
+        self._streams: set[TaggedStream[Any, Any]] = set()
 
     @rpc
     async def GetServerInfo(
@@ -61,8 +64,30 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         finally:
             self._streams.discard(stream)
 
+    @rpc
+    async def Generates(
+        self,
+        request_iterator: AsyncIterator[pb.GeneratesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        config = self._core.config
+        stream = GenerateStream(
+            self._core.generate,
+            context,
+            max_message_bytes=config.limits.max_message_bytes,
+            write_timeout_s=config.stream_write_timeout_s,
+            max_running=config.limits.max_rollouts_per_stream,
+            max_starts=config.limits.max_starts_per_message,
+        )
+        self._streams.add(stream)
+        try:
+            await stream.serve(request_iterator)
+        finally:
+            self._streams.discard(stream)
+
     def close_streams(self) -> None:
-        """Shutting down: Rollouts streams answer what runs on them, then end."""
+        """Shutting down: Rollouts and Generates streams answer what runs on them,
+        then end."""
         for stream in self._streams:
             stream.close()
 

@@ -422,6 +422,38 @@ class GenerateResponse(_message.Message):
     finished: GenerateFinished
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
+class GeneratesRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[GenerateStart]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[_Union[GenerateStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateStart(_message.Message):
+    __slots__ = ("tag", "generate")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    generate: GenerateRequest
+    def __init__(self, tag: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class GeneratesResponse(_message.Message):
+    __slots__ = ("deltas",)
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[GenerateDelta]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[GenerateDelta, _Mapping]]] = ...) -> None: ...
+
+class GenerateDelta(_message.Message):
+    __slots__ = ("tag", "response", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    response: GenerateResponse
+    error: RolloutError
+    def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ...) -> None: ...
+
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

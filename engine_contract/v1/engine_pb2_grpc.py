@@ -58,6 +58,11 @@ class EngineServiceStub:
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=engine__contract_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Generates = channel.stream_stream(
+                '/engine_contract.v1.EngineService/Generates',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.GeneratesRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.GeneratesResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/engine_contract.v1.EngineService/Abort',
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -203,6 +208,23 @@ class EngineServiceServicer:
     def Generate(self, request, context):
         """An ordinary completion, streamed as deltas of one or more tokens. The last
         message carries `finished`. Cancelling the call aborts the engine request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Generates(self, request_iterator, context):
+        """Many ordinary completions over one long-lived call (contract revision 4),
+        as Rollouts does for rollouts: the same completions as Generate, without
+        paying a gRPC call per completion. Each started completion gets its deltas
+        in order, tagged; its last one carries `finished`, or is an error carrying
+        the status Generate would have ended with. Deltas of several completions
+        travel in one message; deltas of one completion that queue up while a
+        write is in flight are merged into one (tokens, logprobs and top logprobs
+        concatenated in order), so a busy stream sends fewer, larger deltas and
+        never holds one back. Cancel by tag, half-close, the stream write timeout
+        (ABORTED), shutdown (UNAVAILABLE) and the admission limits
+        (max_rollouts_per_stream, max_starts_per_message) behave as on Rollouts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -388,6 +410,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=engine__contract_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=engine__contract_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Generates': grpc.stream_stream_rpc_method_handler(
+                    servicer.Generates,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.GeneratesRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.GeneratesResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -597,6 +624,33 @@ class EngineService:
             '/engine_contract.v1.EngineService/Generate',
             engine__contract_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             engine__contract_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generates(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/engine_contract.v1.EngineService/Generates',
+            engine__contract_dot_v1_dot_engine__pb2.GeneratesRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.GeneratesResponse.FromString,
             options,
             channel_credentials,
             insecure,

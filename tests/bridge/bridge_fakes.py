@@ -19,6 +19,7 @@ from bridge import codec
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.errors import ServerError
+from engine_server.generate_stream import GenerateStream
 from engine_server.rollout_stream import RolloutStream
 
 
@@ -40,6 +41,8 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     streamed_rollouts: int = 0
     rollout_streams: int = 0
     generates: list[pb.GenerateRequest] = field(default_factory=list)
+    # Generates streams opened.
+    generate_streams: int = 0
     aborts: list[pb.AbortRequest] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     kv_batches: asyncio.Queue[pb.KvEventBatch | None] = field(default_factory=asyncio.Queue)
@@ -123,9 +126,29 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             self.running.discard(request.request_id)
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for message in self._deltas(request):
+                yield message
+        except ServerError as e:
+            await context.abort(e.code, str(e))
+
+    async def Generates(self, request_iterator: Any, context: Any) -> None:
+        """The real server's stream handling around this fake's completions."""
+        self.generate_streams += 1
+        stream = GenerateStream(
+            self._deltas, context, max_message_bytes=64 << 20, write_timeout_s=None
+        )
+        try:
+            await stream.serve(request_iterator)
+        except ServerError as e:
+            await context.abort(e.code, str(e))
+
+    async def _deltas(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         self.generates.append(request)
         if self.fail_with is not None:
-            await context.abort(*self.fail_with)
+            failure = ServerError(self.fail_with[1])
+            failure.code = self.fail_with[0]
+            raise failure
         self.running.add(request.request_id)
         try:
             for i in range(self.generate_tokens):

@@ -152,10 +152,11 @@ def rollout_response(**fields: object) -> pb.RolloutResponse:
     return pb.RolloutResponse(**base)
 
 
-def test_rollout_chunk_carries_everything_in_engine_data_and_no_tokens() -> None:
+def test_rollout_chunk_carries_everything_in_engine_data_and_counts_its_tokens() -> None:
     chunk = codec.rollout_chunk(rollout_response())
-    # No tokens for the frontend to detokenize, hide (EOS) or cut (stop strings).
-    assert chunk["token_ids"] == []
+    # The tokens, for the frontend's usage; text set, so that it passes them through
+    # without detokenizing, hiding EOS or cutting at stop strings.
+    assert chunk["token_ids"] == [3, 4, 1] and chunk["text"] == ""
     assert chunk["finish_reason"] == "stop"
     assert chunk["stop_reason"] == 1
     assert chunk["completion_usage"] == {

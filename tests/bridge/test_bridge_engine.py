@@ -99,7 +99,9 @@ async def test_rollout_is_one_chunk_with_engine_data(
     chunks = await collect(engine, request, Context(id="ctx-1"))
     assert len(chunks) == 1
     chunk = chunks[0]
-    assert chunk["token_ids"] == [] and chunk["finish_reason"] == "length"
+    assert (
+        chunk["token_ids"] == [6, 7] and chunk["text"] == "" and chunk["finish_reason"] == "length"
+    )
     data = chunk["engine_data"]["rollout"]
     assert data["token_ids"] == [6, 7] and data["logprobs"] == [-0.5, -1.0]
     sent = server.engine.rollouts[0]
@@ -111,9 +113,12 @@ async def test_ordinary_completion_streams(served: tuple[FakeServer, BridgeEngin
     chunks = await collect(
         engine, {"token_ids": [1, 2], "output_options": {"logprobs": 0}}, Context(id="ctx-2")
     )
-    assert [c["token_ids"] for c in chunks] == [[10], [11], [12], [13], []]
-    assert chunks[0]["log_probs"] == [-1.0]
+    # Deltas that queue up while a write is in flight arrive merged (Generates stream).
+    assert [t for c in chunks for t in c["token_ids"]] == [10, 11, 12, 13]
+    assert [lp for c in chunks for lp in c.get("log_probs", [])] == [-1.0] * 4
+    assert all("finish_reason" not in c for c in chunks[:-1])
     assert chunks[-1]["finish_reason"] == "length"
+    assert server.engine.generate_streams == 1
     assert chunks[-1]["completion_usage"]["completion_tokens"] == 4
     assert server.engine.generates[0].request_id == "ctx-2"
     assert server.engine.generates[0].output.logprobs == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -52,7 +53,8 @@ async def test_rollout_with_stop_string_kept_in_output(stack: Stack) -> None:
 
 
 async def test_rollout_ending_on_eos_comes_back_whole(stack: Stack) -> None:
-    """The frontend would hide an EOS token; the rollout chunk has no tokens for it to hide."""
+    """The frontend hides an EOS token it decodes; the rollout chunk is passed through
+    undecoded, so the EOS stays, and usage counts it."""
     channel, stub = stack.engine_stub()
     with channel:
         eos = set(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).eos_token_ids)
@@ -66,6 +68,42 @@ async def test_rollout_ending_on_eos_comes_back_whole(stack: Stack) -> None:
     result = await bridged_rollout(stack, prompt, greedy=True)
     assert_same(result, direct)
     assert result.token_ids[-1] in eos and result.finish_reason == "stop"
+    status, body = http_json(
+        f"{stack.base_url}/v1/completions",
+        driver.build_rollout_body(stack.model, prompt, greedy=True),
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == len(direct.token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_usage_is_the_rollouts(stack: Stack, stream: bool) -> None:
+    """Dynamo's frontend counts usage from the chunks' tokens: a rollout reports its
+    real prompt and completion counts (frontend metrics and aiperf read them), and
+    its tokens still come back exactly, whatever stop strings the text holds."""
+    for seed in range(6):
+        prompt = prompt_of(10 + seed, seed=300 + seed)
+        direct = direct_rollout(stack, prompt, greedy=True, request_id=f"u{seed}{stream}")
+        body = driver.build_rollout_body(stack.model, prompt, greedy=True)
+        usage: dict[str, Any] | None = None
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+            events = sse_events(stack, "/v1/completions", body)
+            usage = next(e["usage"] for e in events if e.get("usage"))
+            # The one content event carries the rollout whole.
+            data = next(e for e in events if e.get("choices") and e.get("nvext"))
+            assert data["nvext"]["engine_data"]["rollout"]["token_ids"] == list(direct.token_ids)
+        else:
+            status, answer = http_json(f"{stack.base_url}/v1/completions", body)
+            assert status == 200, answer
+            assert_same(driver.parse_rollout_response(answer), direct)
+            usage = answer["usage"]
+        assert usage == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(direct.token_ids),
+            "total_tokens": len(prompt) + len(direct.token_ids),
+        }, (usage, direct.usage)
 
 
 async def test_max_tokens_zero_generates_nothing(stack: Stack) -> None:
@@ -114,9 +152,8 @@ async def test_engine_invalid_argument_is_http_400(stack: Stack) -> None:
 
 
 def sse_events(stack: Stack, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed answer's events, read to its end."""
     status, answer = 0, None
-    import urllib.request
-
     req = urllib.request.Request(
         f"{stack.base_url}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
     )

@@ -8,14 +8,16 @@ unchanged program with engine_contract's revision constants overridden.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 import engine_contract
 from bridge import driver
 from harness import ROOT
-from harness.http import http_json
+from harness.http import Outcome, http_json, post_stream, stream_body
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 
@@ -69,12 +71,32 @@ def test_incompatible_revisions_are_refused(
 
 
 @pytest.mark.parametrize(
-    ("server", "bridge", "server_revision", "rollouts"),
+    ("server", "bridge", "server_revision", "rollouts", "completions"),
     [
-        pytest.param(skew(NEXT), {}, NEXT, "multiplexed", id="newer-server-accepts-older-bridge"),
-        pytest.param({}, skew(NEXT), NOW, "multiplexed", id="newer-bridge-accepts-older-server"),
+        pytest.param(
+            skew(NEXT),
+            {},
+            NEXT,
+            "multiplexed",
+            "multiplexed",
+            id="newer-server-accepts-older-bridge",
+        ),
+        pytest.param(
+            {},
+            skew(NEXT),
+            NOW,
+            "multiplexed",
+            "multiplexed",
+            id="newer-bridge-accepts-older-server",
+        ),
+        # A revision-3 server has no Generates stream: one Generate call each.
+        pytest.param(
+            skew(3), {}, 3, "multiplexed", "one call each", id="completions-fall-back-to-unary"
+        ),
         # A revision-1 server has no Rollouts stream: one Rollout call each.
-        pytest.param(skew(1), {}, 1, "one call each", id="bridge-falls-back-to-unary"),
+        pytest.param(
+            skew(1), {}, 1, "one call each", "one call each", id="bridge-falls-back-to-unary"
+        ),
     ],
 )
 def test_compatible_revisions_serve(
@@ -84,6 +106,7 @@ def test_compatible_revisions_serve(
     bridge: dict[str, str],
     server_revision: int,
     rollouts: str,
+    completions: str,
 ) -> None:
     model = "tiny-skew-ok"
     with ProcessGroup(tmp_path / "logs") as group:
@@ -99,4 +122,14 @@ def test_compatible_revisions_serve(
         assert status == 200, body
         assert len(driver.parse_rollout_response(body).token_ids) == 3
         assert f", contract {server_revision}), " in proc.log_tail(100_000)
-        assert f"rollouts {rollouts}" in proc.log_tail(100_000)
+        outcome = asyncio.run(streamed(stack.base_url, model))
+        assert outcome.status == 200 and outcome.stream_error_code is None, outcome
+        log = proc.log_tail(100_000)
+        assert f"rollouts {rollouts}" in log and f"completions {completions}" in log
+
+
+async def streamed(base_url: str, model: str) -> Outcome:
+    async with aiohttp.ClientSession() as session:
+        return await post_stream(
+            session, f"{base_url}/v1/completions", stream_body(model, [5, 6, 7, 8], 6)
+        )

@@ -73,6 +73,11 @@ def base_request(method: MethodDescriptor) -> Message:
         start.rollout.request_id = "long-strings"
         start.rollout.prompt_token_ids.append(5)
         start.rollout.max_new_tokens = 1
+    if method.name == "Generates":
+        start = request.start.add(tag=1)
+        start.generate.request_id = "long-strings"
+        start.generate.prompt_token_ids.append(5)
+        start.generate.stop.max_tokens = 1
     if method.name == "Abort":
         request.request_id = "long-strings"
     if method.name == "SubscribeKvEvents":
@@ -111,7 +116,7 @@ def answer(
     channel: grpc.Channel, method: MethodDescriptor, request: Message
 ) -> tuple[grpc.StatusCode, str, int]:
     """(status, details, bytes of the longest answer message); a Rollouts result's
-    error counts as the status."""
+    or a Generates delta's error counts as the status."""
     path = f"/{SERVICE.full_name}/{method.name}"
     out_cls = message_factory.GetMessageClass(method.output_type)
     kw = {
@@ -123,7 +128,8 @@ def answer(
         if method.client_streaming and method.server_streaming:
             for message in channel.stream_stream(path, **kw)(iter([request]), timeout=10):
                 biggest = max(biggest, message.ByteSize())
-                for result in message.results:
+                items = message.results if method.name == "Rollouts" else message.deltas
+                for result in items:
                     if result.HasField("error"):
                         code = next(c for c in grpc.StatusCode if c.value[0] == result.error.code)
                         return code, result.error.message, biggest

@@ -1,0 +1,209 @@
+"""Part 7: streamed completions through Dynamo's frontend at concurrency 1/16/64,
+one process against two. (a) a Dynamo worker serving the simulated engine in
+its own process (the same codec and engine code, no hop); (b) bridge + engine
+server: completions multiplexed on the ``Generates`` stream over TCP and over a
+unix socket, and one ``Generate`` call each over TCP. Zero-delay engine, the
+same prompts and lengths as part 1, time to first token and CPU time per
+request for every process."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from bench.context import GEN_TOKENS, PROMPT_TOKENS, Bench, say
+from bench.frontend_rollouts import frontend_session
+from bench.measure import Config, interleaved
+from bench.report import fmt, paired, table
+from bench.stats import Cell, Summary, closed_loop, summarize
+from harness.procs import Proc
+
+CONCURRENCY = (1, 16, 64)
+ONE_PROCESS = "sinproc"
+# (b)'s transports; each is also the model name it is served as.
+TRANSPORTS = {
+    "sgrpc-tcp": "stream, tcp",
+    "sgrpc-unix": "stream, unix",
+    "sunary-tcp": "one call each, tcp",
+}
+CONFIGS = (ONE_PROCESS, *TRANSPORTS)
+# The issue's goals, shown next to what was measured.
+GOAL_RPS_RATIO = 0.9
+GOAL_TTFT_RATIO = 1.15
+GOAL_BRIDGE_CPU_MS = 2.0
+
+
+@dataclass
+class Streaming:
+    # configuration -> concurrency -> medians over repetitions
+    summaries: dict[str, dict[int, Summary]]
+
+    def render(self) -> str:
+        s = self.summaries
+        lines = [
+            "## 7. Streamed completions through Dynamo's frontend (sim engine, zero delay, "
+            f"{PROMPT_TOKENS}-token prompts, {GEN_TOKENS} tokens out, one SSE event per token)",
+            "",
+            "(a) = in-process Dynamo worker; (b) = bridge + engine server. Goals (issue 15): "
+            f"rps (b)/(a) >= {GOAL_RPS_RATIO} at c=16 and c=64, TTFT p50 (b)/(a) <= "
+            f"{GOAL_TTFT_RATIO}, bridge CPU per streamed request <= {GOAL_BRIDGE_CPU_MS} ms.",
+            "",
+            "Dynamo 1.6.1's frontend does not set TCP_NODELAY on its HTTP connections, so "
+            "a streamed answer can stall about 40 ms on a delayed ACK whatever the backend "
+            "(ai-dynamo/dynamo PR #14643): read c=1 latencies with that in mind.",
+            "",
+        ]
+        rows = []
+        for c in CONCURRENCY:
+            a = s[ONE_PROCESS][c]
+            for transport, label in TRANSPORTS.items():
+                b = s[transport][c]
+                rows.append(
+                    [
+                        c,
+                        fmt(a.rps),
+                        fmt(a.ttft_p50_ms, 2),
+                        fmt(a.p50_ms, 2),
+                        label,
+                        fmt(b.rps),
+                        fmt(b.ttft_p50_ms, 2),
+                        fmt(b.p50_ms, 2),
+                        f"**{b.rps / a.rps:.2f}**",
+                        paired(a, b),
+                        f"**{b.ttft_p50_ms / a.ttft_p50_ms:.2f}**",
+                        f"{b.p50_ms - a.p50_ms:+.2f}",
+                    ]
+                )
+        lines += table(
+            [
+                "conc",
+                "(a) rps",
+                "(a) TTFT p50 ms",
+                "(a) p50 ms",
+                "(b) transport",
+                "(b) rps",
+                "(b) TTFT p50 ms",
+                "(b) p50 ms",
+                "rps (b)/(a)",
+                "paired",
+                "TTFT (b)/(a)",
+                "p50 +ms",
+            ],
+            "rrrrlrrrrlrr",
+            rows,
+        )
+        errors = sum(r.errors for per in s.values() for r in per.values())
+        lines += [
+            "",
+            f"Failed requests (not counted above): {errors}.",
+            "",
+            "CPU milliseconds per streamed request, by process:",
+            "",
+        ]
+        rows = []
+        for c in CONCURRENCY:
+            for name in CONFIGS:
+                cpu = s[name][c].cpu_ms
+                worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
+                rows.append(
+                    [
+                        c,
+                        TRANSPORTS.get(name, "one process"),
+                        f"{cpu.get('frontend', 0):.2f}",
+                        f"{worker:.2f}",
+                        f"{cpu.get('engine', 0):.2f}",
+                        f"{cpu.get('client', 0):.2f}",
+                        f"{sum(cpu.values()):.2f}",
+                    ]
+                )
+        lines += table(
+            ["conc", "config", "frontend", "worker / bridge", "engine server", "load", "total"],
+            "rlrrrrr",
+            rows,
+        )
+        return "\n".join([*lines, ""])
+
+
+def stream_sender(
+    session: aiohttp.ClientSession, url: str, model: str, prompts: Sequence[list[int]]
+) -> Callable[[int], Awaitable[float]]:
+    """``send(i)``: greedy streamed completion ``i``, read to its end; returns the
+    time to its first token. Anything but GEN_TOKENS tokens is an error."""
+
+    async def send(i: int) -> float:
+        body = {
+            "model": model,
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": GEN_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+        }
+        started = time.perf_counter()
+        first: float | None = None
+        completion = 0
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{model}: HTTP {resp.status}: {await resp.text()}")
+            async for raw in resp.content:
+                if not raw.startswith(b"data:") or raw.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(raw[5:])
+                if "error" in event:
+                    raise RuntimeError(f"{model}: {event['error']}")
+                if first is None and event.get("choices"):
+                    first = time.perf_counter() - started
+                usage = event.get("usage")
+                if usage:
+                    completion = usage["completion_tokens"]
+        if completion != GEN_TOKENS or first is None:
+            raise RuntimeError(f"{model}: {completion} tokens streamed")
+        return first
+
+    return send
+
+
+def stream_config(
+    bench: Bench, session: aiohttp.ClientSession, model: str, serving: Sequence[Proc]
+) -> Config:
+    url = f"{bench.start_frontend()}/v1/completions"
+    send = stream_sender(session, url, model, bench.prompts)
+
+    async def measure(concurrency: int, n: int) -> Cell:
+        return await closed_loop(model, send, concurrency, n)
+
+    return Config(model, serving, measure)
+
+
+async def run(bench: Bench) -> Streaming:
+    say("part 7: streamed completions through Dynamo's frontend, one process vs two")
+    frontend = bench.frontend()
+    worker = bench.start_worker(ONE_PROCESS, bench.sim_args())
+    engines = bench.sim_engines()
+    bridges = {
+        "sgrpc-tcp": bench.start_bridge("sgrpc-tcp", engines["tcp"].address),
+        "sgrpc-unix": bench.start_bridge("sgrpc-unix", engines["unix"].address),
+        "sunary-tcp": bench.start_bridge(
+            "sunary-tcp", engines["tcp"].address, "--generate-transport", "unary"
+        ),
+    }
+    serving = {
+        ONE_PROCESS: [frontend, worker],
+        "sgrpc-tcp": [frontend, bridges["sgrpc-tcp"], engines["tcp"].proc],
+        "sgrpc-unix": [frontend, bridges["sgrpc-unix"], engines["unix"].proc],
+        "sunary-tcp": [frontend, bridges["sunary-tcp"], engines["tcp"].proc],
+    }
+    bench.wait_models(CONFIGS)
+    async with frontend_session() as session:
+        configs = [stream_config(bench, session, name, serving[name]) for name in CONFIGS]
+        for config in configs:  # warm-up: connections, caches
+            await config.measure(16, 64)
+        cells = await interleaved(configs, CONCURRENCY, bench.options.reps, bench.requests_for, say)
+    bench.stop(worker, *bridges.values())
+    return Streaming(
+        {name: {c: summarize(cs) for c, cs in per.items()} for name, per in cells.items()}
+    )

@@ -1,0 +1,110 @@
+"""GenerateMux: the bridge's ordinary completions multiplexed over one Generates
+stream (``tagged_mux`` says how the stream is shared, bounded and failed).
+
+A completion behaves like a Generate call: iterate it for its deltas (the last
+one carries ``finished``); a failure raises the ``grpc.aio.AioRpcError`` the
+call would have raised; ``cancel()`` it and the engine request is aborted
+(iterating then raises CancelledError). Deltas that arrived while the consumer
+was busy are handed over merged into one, so a slow consumer yields fewer,
+larger chunks instead of falling further behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+
+import grpc
+
+from bridge.tagged_mux import MuxStream, OpenStream, StreamKind, TaggedMux, result_error
+from engine_contract.v1 import engine_pb2 as pb
+
+GENERATES = StreamKind("completion", pb.GeneratesRequest, "generate", "deltas")
+
+
+class PendingGenerate:
+    """A completion started on the stream; like a Generate call object."""
+
+    __slots__ = ("_deltas", "_ended", "_error", "_on_cancel", "_waiter")
+
+    def __init__(self, on_cancel: Callable[[], None]) -> None:
+        self._deltas: collections.deque[pb.GenerateResponse] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        # The last delta arrived (finished or failed), or the caller cancelled.
+        self._ended = False
+        self._error: BaseException | None = None
+        self._on_cancel = on_cancel
+
+    def __aiter__(self) -> PendingGenerate:
+        return self
+
+    async def __anext__(self) -> pb.GenerateResponse:
+        deltas = self._deltas
+        while not deltas:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        delta = deltas.popleft()
+        while deltas:  # arrived while the caller was busy: one chunk for all
+            delta.MergeFrom(deltas.popleft())
+        return delta
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def deliver(self, item: pb.GenerateDelta) -> bool:
+        if self._ended:
+            return True
+        if item.HasField("response"):
+            self._deltas.append(item.response)
+            last = item.response.HasField("finished")
+        else:
+            self._error = result_error(item.error)
+            last = True
+        self._ended = last
+        self._wake()
+        return last
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if not self._ended:
+            self._ended = True
+            self._error = error
+            self._wake()
+
+    def done(self) -> bool:
+        return self._ended
+
+    def cancel(self) -> bool:
+        """Abort the completion; iterating it then raises CancelledError."""
+        if self._ended:
+            return False
+        self._ended = True
+        self._deltas.clear()
+        self._error = asyncio.CancelledError()
+        self._wake()
+        self._on_cancel()
+        return True
+
+
+class GenerateMux(TaggedMux[PendingGenerate]):
+    """Starts completions on a Generates stream it opens on demand (``open_stream``)."""
+
+    def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
+        super().__init__(GENERATES, open_stream, max_message_bytes)
+
+    def start(self, request: pb.GenerateRequest) -> PendingGenerate:
+        """Start a completion; raises AioRpcError at once when it cannot be sent."""
+        return self._begin(request, _pending_generate)
+
+
+def _pending_generate(stream: MuxStream[PendingGenerate], tag: int) -> PendingGenerate:
+    return PendingGenerate(lambda: stream.cancelled(tag))

@@ -1,0 +1,81 @@
+"""One Generates stream: many ordinary completions over one call, their deltas
+packed per message (``tagged_stream`` says how the stream is shared and bounded).
+
+Deltas of one completion that queue up while a write is in flight are merged
+into one (protobuf's MergeFrom concatenates tokens, logprobs and top logprobs
+and adds ``finished``), so a busy stream sends fewer, larger deltas, and the
+client yields fewer chunks, without holding any delta back: an idle stream
+writes each at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+
+import grpc
+
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server.config import Limits
+from engine_server.tagged_stream import Queued, TaggedStream
+
+RunGenerate = Callable[[pb.GenerateRequest], AsyncGenerator[pb.GenerateResponse, None]]
+"""One completion's messages (``ServerCore.generate``); closing it aborts the request."""
+
+
+class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
+    """Serves one Generates call: ``await GenerateStream(...).serve(requests)``."""
+
+    request_name = "GeneratesRequest"
+    noun = "completions"
+    payload_field = "generate"
+    item_type = pb.GenerateDelta
+    response_type = pb.GeneratesResponse
+    items_field = "deltas"
+
+    def __init__(
+        self,
+        generate: RunGenerate,
+        context: grpc.aio.ServicerContext,
+        *,
+        max_message_bytes: int,
+        write_timeout_s: float | None,
+        max_running: int = Limits.max_rollouts_per_stream,
+        max_starts: int = Limits.max_starts_per_message,
+    ) -> None:
+        super().__init__(
+            context,
+            max_message_bytes=max_message_bytes,
+            write_timeout_s=write_timeout_s,
+            max_running=max_running,
+            max_starts=max_starts,
+        )
+        self._generate = generate
+        # The delta of each completion still waiting for a write: later ones merge in.
+        self._unsent: dict[int, Queued[pb.GenerateDelta]] = {}
+        # A merged delta stops growing here (and a next one queues behind it).
+        self._merge_limit = self._limit // 2
+
+    async def _answer(self, tag: int, request: pb.GenerateRequest) -> None:
+        async with contextlib.aclosing(self._generate(request)) as messages:
+            async for message in messages:
+                size = message.ByteSize()
+                unsent = self._unsent.get(tag)
+                if unsent is not None and unsent.size + size <= self._merge_limit:
+                    unsent.item.response.MergeFrom(message)
+                    unsent.size += size
+                    continue
+                if size > self._limit:
+                    self._emit(tag, pb.GenerateDelta(tag=tag, response=message))  # an error
+                    return
+                queued = Queued(tag, pb.GenerateDelta(tag=tag, response=message), size)
+                self._unsent[tag] = queued
+                self._queue(queued)
+
+    def _taken(self, queued: Queued[pb.GenerateDelta]) -> None:
+        if self._unsent.get(queued.tag) is queued:
+            del self._unsent[queued.tag]
+
+    def _emit(self, tag: int, item: pb.GenerateDelta) -> None:
+        self._unsent.pop(tag, None)  # an error ends the completion: nothing merges after it
+        super()._emit(tag, item)

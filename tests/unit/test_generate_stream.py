@@ -1,0 +1,161 @@
+"""GenerateStream: completions' deltas packed per message and merged per completion
+while a write is in flight, failures alone, cancel by tag."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server.errors import InvalidRequest
+from engine_server.generate_stream import GenerateStream
+
+
+class Context:
+    """Records writes; while ``gate`` is clear, writes wait (a slow client)."""
+
+    def __init__(self) -> None:
+        self.written: list[pb.GeneratesResponse] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def send_initial_metadata(self, metadata: object) -> None:
+        pass
+
+    async def write(self, message: pb.GeneratesResponse) -> None:
+        await self.gate.wait()
+        self.written.append(message)
+
+    def deltas(self, tag: int) -> list[pb.GenerateDelta]:
+        return [d for m in self.written for d in m.deltas if d.tag == tag]
+
+
+class Requests:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[pb.GeneratesRequest | None] = asyncio.Queue()
+
+    def start(self, *tags: int, tokens: int = 4) -> None:
+        self.queue.put_nowait(
+            pb.GeneratesRequest(
+                start=[
+                    pb.GenerateStart(
+                        tag=t,
+                        generate=pb.GenerateRequest(
+                            request_id=f"g{t}", stop=pb.StopConditions(max_tokens=tokens)
+                        ),
+                    )
+                    for t in tags
+                ]
+            )
+        )
+
+    def __aiter__(self) -> AsyncIterator[pb.GeneratesRequest]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[pb.GeneratesRequest]:
+        while (message := await self.queue.get()) is not None:
+            yield message
+
+
+async def deltas(request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+    """One token per loop turn, then ``finished``; 0 tokens is refused, 999 never ends,
+    7 fails after 3 tokens."""
+    n = request.stop.max_tokens
+    if n == 0:
+        raise InvalidRequest("max_tokens", "must be > 0 here")
+    for i in range(n if n != 999 else 10**9):
+        await asyncio.sleep(0)
+        if n == 7 and i == 3:
+            raise InvalidRequest("engine", "failed half way")
+        yield pb.GenerateResponse(token_ids=[i], logprobs=[-float(i)])
+    yield pb.GenerateResponse(
+        finished=pb.GenerateFinished(
+            finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=n)
+        )
+    )
+
+
+def stream(ctx: Context, limit: int = 1 << 20) -> GenerateStream:
+    return GenerateStream(deltas, ctx, max_message_bytes=limit, write_timeout_s=None)  # type: ignore[arg-type]
+
+
+def tokens(ds: list[pb.GenerateDelta]) -> list[int]:
+    return [t for d in ds for t in d.response.token_ids]
+
+
+async def test_an_idle_stream_writes_each_delta_at_once() -> None:
+    ctx, requests = Context(), Requests()
+    requests.start(1, tokens=5)
+    requests.queue.put_nowait(None)
+    await asyncio.wait_for(stream(ctx).serve(requests), 5)
+    ds = ctx.deltas(1)
+    assert tokens(ds) == [0, 1, 2, 3, 4]
+    assert len(ds) >= 5  # nothing held back
+    assert ds[-1].response.finished.usage.completion_tokens == 5
+    assert not any(d.response.HasField("finished") for d in ds[:-1])
+
+
+async def test_deltas_queued_behind_a_slow_write_are_merged_per_completion() -> None:
+    ctx, requests = Context(), Requests()
+    ctx.gate.clear()
+    requests.start(1, 2, 3, tokens=50)
+    requests.queue.put_nowait(None)
+    serving = asyncio.ensure_future(stream(ctx).serve(requests))
+    await asyncio.sleep(0.05)  # every completion finishes while the first write waits
+    ctx.gate.set()
+    await asyncio.wait_for(serving, 5)
+    for tag in (1, 2, 3):
+        ds = ctx.deltas(tag)
+        assert tokens(ds) == list(range(50))
+        assert [lp for d in ds for lp in d.response.logprobs] == [-float(i) for i in range(50)]
+        assert len(ds) <= 2  # the first one written, then everything else merged
+        assert ds[-1].response.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(ctx.written) <= 2
+
+
+async def test_failures_end_their_completion_alone() -> None:
+    ctx, requests = Context(), Requests()
+    requests.start(1, tokens=0)
+    requests.start(2, tokens=7)
+    requests.start(3, tokens=3)
+    requests.start(3, tokens=3)  # tag 3 still running: refused alone
+    requests.queue.put_nowait(None)
+    await asyncio.wait_for(stream(ctx).serve(requests), 5)
+    assert ctx.deltas(1)[-1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    failed = ctx.deltas(2)
+    assert tokens(failed[:-1]) == [0, 1, 2] and "half way" in failed[-1].error.message
+    three = ctx.deltas(3)
+    assert tokens(three) == [0, 1, 2]
+    assert [d.error.code for d in three if d.WhichOneof("outcome") == "error"] == [
+        grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    ]
+    assert three[-1].response.finished.usage.completion_tokens == 3
+
+
+async def test_cancel_by_tag_ends_the_completion_cancelled() -> None:
+    ctx, requests = Context(), Requests()
+    requests.start(5, tokens=999)
+    serving = asyncio.ensure_future(stream(ctx).serve(requests))
+    await asyncio.sleep(0.01)
+    requests.queue.put_nowait(pb.GeneratesRequest(cancel=[5]))
+    requests.queue.put_nowait(None)
+    await asyncio.wait_for(serving, 5)
+    last = ctx.deltas(5)[-1]
+    assert last.error.code == grpc.StatusCode.CANCELLED.value[0]
+
+
+async def test_a_delta_over_the_message_limit_fails_its_completion() -> None:
+    async def huge(request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+        yield pb.GenerateResponse(token_ids=[1])
+        yield pb.GenerateResponse(token_ids=list(range(5000)))
+
+    ctx, requests = Context(), Requests()
+    requests.start(1)
+    requests.queue.put_nowait(None)
+    s = GenerateStream(huge, ctx, max_message_bytes=4096, write_timeout_s=None)  # type: ignore[arg-type]
+    await asyncio.wait_for(s.serve(requests), 5)
+    ds = ctx.deltas(1)
+    assert ds[-1].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert all(m.ByteSize() <= 4096 for m in ctx.written)
