@@ -37,6 +37,7 @@ from bridge import codec, errors
 from bridge.config import BridgeConfig, parse_args
 from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
+from bridge.rollout_text import RolloutText
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class InProcessEngine(LLMEngine):
         self._view: RouterView | None = None
         # Dynamo context id -> engine request id, for abort().
         self._inflight: dict[str, str] = {}
+        self._text = RolloutText(config.model_path)
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[InProcessEngine, WorkerConfig]:
@@ -106,7 +108,9 @@ class InProcessEngine(LLMEngine):
             response = await self.local.rollout(
                 codec.build_rollout_request(request_id, request, spec)
             )
-            chunk = codec.rollout_chunk(response)
+            chunk = codec.rollout_chunk(
+                response, self._text.decode(response.token_ids) if spec.text else ""
+            )
         except Exception as e:
             raise errors.to_dynamo(e) from e
         finally:

@@ -23,7 +23,7 @@ from engine_contract.v1 import engine_pb2 as pb
 
 ROLLOUT_KIND = "rollout"
 KNOWN_KINDS = (ROLLOUT_KIND,)
-_ROLLOUT_KEYS = frozenset({"greedy", "stop_strings", "request_id"})
+_ROLLOUT_KEYS = frozenset({"greedy", "stop_strings", "request_id", "text"})
 
 # Dynamo's finish reasons ("cancelled" is what Dynamo calls an abort).
 _FINISH_REASONS: dict[int, str] = {
@@ -84,6 +84,11 @@ class RolloutSpec:
     greedy: bool = False
     stop_strings: tuple[str, ...] = ()
     request_id: str | None = None
+    # Also answer the completion's text in ``choices[0].text`` (decoded by the
+    # bridge, special tokens skipped): for OpenAI clients and tools like aiperf,
+    # which count an answer without text as failed. Off by default: RL drivers
+    # read the tokens, and decoding costs the bridge CPU.
+    text: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +165,10 @@ def parse_rollout_spec(text: str) -> RolloutSpec:
         raise RequestError("rollout spec 'request_id' must be a non-empty string")
     if request_id is not None:
         _text("rollout spec 'request_id'", request_id)
-    return RolloutSpec(greedy=greedy, stop_strings=tuple(stops), request_id=request_id)
+    text = obj.get("text", False)
+    if not isinstance(text, bool):
+        raise RequestError(f"rollout spec 'text' must be a boolean, got {clip(text)}")
+    return RolloutSpec(greedy=greedy, stop_strings=tuple(stops), request_id=request_id, text=text)
 
 
 # ---------------------------------------------------------------------------
@@ -239,19 +247,20 @@ def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
     return out
 
 
-def rollout_chunk(resp: pb.RolloutResponse) -> Chunk:
+def rollout_chunk(resp: pb.RolloutResponse, text: str = "") -> Chunk:
     """The rollout's one and only chunk.
 
     The result travels whole in ``engine_data``. ``token_ids`` are there too so
     that the frontend's usage (it counts the chunks' tokens, not
     ``completion_usage``), its token metrics and tools like aiperf see the real
-    completion; ``text`` is set (empty) so that the frontend passes the chunk
-    through as decoded already: no detokenizing, no EOS hiding, no stop strings
-    applied, and a rollout comes back exactly as the engine made it.
+    completion; ``text`` is set (empty unless the spec asked for it) so that the
+    frontend passes the chunk through as decoded already: no detokenizing, no
+    EOS hiding, no stop strings applied, and a rollout comes back exactly as the
+    engine made it.
     """
     chunk: Chunk = {
         "token_ids": list(resp.token_ids),
-        "text": "",
+        "text": text,
         "index": 0,
         "finish_reason": _FINISH_REASONS.get(resp.finish_reason, "error"),
         "completion_usage": completion_usage(resp.usage),

@@ -154,13 +154,19 @@ class RolloutResult:
 
 
 def rollout_annotation(
-    *, greedy: bool = False, stop_strings: Sequence[str] = (), request_id: str | None = None
+    *,
+    greedy: bool = False,
+    stop_strings: Sequence[str] = (),
+    request_id: str | None = None,
+    text: bool = False,
 ) -> str:
     spec: dict[str, Any] = {"greedy": greedy}
     if stop_strings:
         spec["stop_strings"] = list(stop_strings)
     if request_id is not None:
         spec["request_id"] = request_id
+    if text:
+        spec["text"] = True
     return "rollout:" + json.dumps(spec, separators=(",", ":"))
 
 
@@ -173,9 +179,11 @@ def build_rollout_body(
     max_tokens: int | None = None,
     request_id: str | None = None,
     worker_id: bool = False,
+    text: bool = False,
 ) -> dict[str, Any]:
     """The /v1/completions body; stop strings go in the annotation, never in ``stop``
-    (the frontend would cut the text and abort the engine on them)."""
+    (the frontend would cut the text and abort the engine on them). ``text``: also
+    answer the decoded text in ``choices[0].text``."""
     extra_fields = ["engine_data"] + (["worker_id"] if worker_id else [])
     body: dict[str, Any] = {
         "model": model,
@@ -183,7 +191,9 @@ def build_rollout_body(
         "stream": False,
         "nvext": {
             "annotations": [
-                rollout_annotation(greedy=greedy, stop_strings=stop_strings, request_id=request_id)
+                rollout_annotation(
+                    greedy=greedy, stop_strings=stop_strings, request_id=request_id, text=text
+                )
             ],
             "extra_fields": extra_fields,
         },

@@ -45,6 +45,7 @@ from bridge.registration import EXIT_REGISTRATION_LOST, Registration
 from bridge.rl_admin import RlAdmin
 from bridge.rl_endpoint import RlEndpoint
 from bridge.rollout_mux import PendingRollout
+from bridge.rollout_text import RolloutText
 from bridge.swap import unfollowable_changes
 from bridge.system_server import SystemPort, SystemServer
 from engine_contract.v1 import engine_pb2 as pb
@@ -102,6 +103,7 @@ class BridgeEngine(LLMEngine):
         self.unservable: str | None = None
         self._refreshing: asyncio.Task[None] | None = None
         self._refresh_lock = asyncio.Lock()
+        self._text = RolloutText(config.model_path)
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[BridgeEngine, WorkerConfig]:
@@ -452,7 +454,8 @@ class BridgeEngine(LLMEngine):
                 raise errors.rollout_timed_out(timeout) from None
             if response.instance_id and response.instance_id != self.instance_id:
                 self._set_instance(response.instance_id)  # swapped under us: re-read it
-            chunk = codec.rollout_chunk(response)
+            text = self._text.decode(response.token_ids) if spec.text else ""
+            chunk = codec.rollout_chunk(response, text)
         except asyncio.CancelledError:
             if entry.stalled:
                 raise errors.engine_not_serving(self.config.engine_address) from None

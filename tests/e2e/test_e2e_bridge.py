@@ -151,6 +151,24 @@ async def test_engine_invalid_argument_is_http_400(stack: Stack) -> None:
     assert info.value.status == 400 and info.value.message
 
 
+def test_rollout_text_when_asked(stack: Stack) -> None:
+    """``rollout:{"text": true}``: the decoded completion in ``choices[0].text`` too
+    (OpenAI clients, aiperf), the tokens unchanged; a bad value is HTTP 400."""
+    tokenizer = Tokenizer.from_file(str(stack.model_dir / "tokenizer.json"))
+    prompt = prompt_of(12, seed=400)
+    direct = direct_rollout(stack, prompt, greedy=True, request_id="text-1", max_new_tokens=20)
+    body = driver.build_rollout_body(stack.model, prompt, greedy=True, max_tokens=20, text=True)
+    status, answer = http_json(f"{stack.base_url}/v1/completions", body)
+    assert status == 200, answer
+    assert_same(driver.parse_rollout_response(answer), direct)
+    text = answer["choices"][0]["text"]
+    assert text and text == tokenizer.decode(list(direct.token_ids), skip_special_tokens=True)
+    bad = driver.build_rollout_body(stack.model, prompt, greedy=True, max_tokens=2)
+    bad["nvext"]["annotations"] = ['rollout:{"text": "yes"}']
+    status, answer = http_json(f"{stack.base_url}/v1/completions", bad)
+    assert status == 400 and "'text' must be a boolean" in json.dumps(answer)
+
+
 def sse_events(stack: Stack, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """A streamed answer's events, read to its end."""
     status, answer = 0, None
