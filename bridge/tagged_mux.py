@@ -153,6 +153,9 @@ class MuxStream(Generic[P]):
         try:
             while True:
                 await self._wake.wait()
+                # One loop turn first: starts that other requests make in this same
+                # turn join the message (no timer: an idle stream writes at once).
+                await asyncio.sleep(0)
                 self._wake.clear()
                 while self._cancels or (self._starts and self._room()):
                     await self.call.write(self._take_batch())

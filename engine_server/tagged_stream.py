@@ -270,6 +270,10 @@ class TaggedStream(Generic[RequestT, ItemT]):
     async def _write_loop(self, reader: asyncio.Task[None]) -> None:
         while True:
             await self._wake.wait()
+            # One loop turn before taking the batch: answers that other tasks make
+            # ready in this same turn (an engine step ends many requests' steps at
+            # once) join it. No timer: an idle stream still writes at once.
+            await asyncio.sleep(0)
             self._wake.clear()
             while self._out:
                 await self._write(self._take_batch())

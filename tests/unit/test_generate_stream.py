@@ -86,10 +86,19 @@ def tokens(ds: list[pb.GenerateDelta]) -> list[int]:
 
 
 async def test_an_idle_stream_writes_each_delta_at_once() -> None:
+    """Tokens 5 ms apart (a real engine's steps): each goes out alone, at once."""
+
+    async def paced(request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+        for i in range(5):
+            await asyncio.sleep(0.005)
+            yield pb.GenerateResponse(token_ids=[i])
+        yield pb.GenerateResponse(finished=pb.GenerateFinished(usage=pb.Usage(completion_tokens=5)))
+
     ctx, requests = Context(), Requests()
     requests.start(1, tokens=5)
     requests.queue.put_nowait(None)
-    await asyncio.wait_for(stream(ctx).serve(requests), 5)
+    s = GenerateStream(paced, ctx, max_message_bytes=1 << 20, write_timeout_s=None)  # type: ignore[arg-type]
+    await asyncio.wait_for(s.serve(requests), 5)
     ds = ctx.deltas(1)
     assert tokens(ds) == [0, 1, 2, 3, 4]
     assert len(ds) >= 5  # nothing held back
