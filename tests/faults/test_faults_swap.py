@@ -80,7 +80,9 @@ def test_replacements_that_fit_are_served_and_others_refused(
         )
         second, rev1_s = served_by_new(stack, bridge, first)
         log = bridge.log_tail(100_000)
-        assert ", contract 1, rollouts one call each)" in log, log[-3000:]
+        assert ", contract 1, rollouts one call each, completions one call each)" in log, log[
+            -3000:
+        ]
 
         # One that does not fit the registration (another KV block size): refused.
         engine.kill()
