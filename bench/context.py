@@ -14,6 +14,7 @@ from pathlib import Path
 
 from harness.http import wait_for_model
 from harness.procs import Proc, ProcessGroup, Role
+from harness.progress import waiting
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
 
@@ -89,9 +90,10 @@ class Bench:
         socket (``unix``); started on first use."""
         if not self._sim_engines:
             args = [*self.sim_args(), *self.options.engine_server_args]
-            tcp = self.group.engine_server("engine-tcp", *args)
-            sock = self.root / "engine.sock"
-            unix = self.group.engine_server("engine-unix", *args, listen=f"unix:{sock}")
+            with waiting("  sim engine servers starting"):
+                tcp = self.group.engine_server("engine-tcp", *args)
+                sock = self.root / "engine.sock"
+                unix = self.group.engine_server("engine-unix", *args, listen=f"unix:{sock}")
             self._sim_engines = {"tcp": SimEngine(*tcp), "unix": SimEngine(*unix)}
         return self._sim_engines
 
@@ -133,8 +135,9 @@ class Bench:
         return self.group.spawn(f"worker-{name}", argv, self.stack.env, Role.WORKER)
 
     def wait_models(self, names: Sequence[str], timeout: float = 120.0) -> None:
-        for name in names:
-            wait_for_model(self.stack.base_url, name, self.group.procs, timeout)
+        with waiting(f"  workers starting, {', '.join(names)} registering"):
+            for name in names:
+                wait_for_model(self.stack.base_url, name, self.group.procs, timeout)
 
     def stop(self, *procs: Proc) -> None:
         """Stop processes a part is done with, so idle ones do not weigh on later parts."""

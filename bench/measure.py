@@ -11,6 +11,7 @@ import psutil
 
 from bench.stats import Cell, rotate
 from harness.procs import Proc
+from harness.progress import counting
 
 # CPU time of the load generator: this process.
 CLIENT = "client"
@@ -72,15 +73,21 @@ async def interleaved(
     cells: dict[str, dict[int, list[Cell]]] = {
         config.name: {c: [] for c in concurrencies} for config in configs
     }
+    # A bar over every measurement, with elapsed and remaining time (terminal only).
+    bar = counting("  measuring", len(concurrencies) * reps * len(configs), unit="run")
     for c in concurrencies:
         for rep in range(reps):
             for config in rotate(configs, rep):
+                bar.set_postfix_str(f"c={c} {config.name}", refresh=False)
                 cells[config.name][c].append(await measure_cpu(config, c, n_for(c)))
-            progress(
-                f"  c={c} rep {rep + 1}/{reps}: "
-                + ", ".join(
-                    f"{name} {per[c][-1].rps:.1f}/s p50 {per[c][-1].p50_ms:.2f}ms"
-                    for name, per in cells.items()
+                bar.update()
+            with bar.external_write_mode():
+                progress(
+                    f"  c={c} rep {rep + 1}/{reps}: "
+                    + ", ".join(
+                        f"{name} {per[c][-1].rps:.1f}/s p50 {per[c][-1].p50_ms:.2f}ms"
+                        for name, per in cells.items()
+                    )
                 )
-            )
+    bar.close()
     return cells

@@ -210,17 +210,22 @@ class EngineClient:
             timeout=self.options.control_timeout_s,
         )
 
-    def rollout(self, request: pb.RolloutRequest) -> grpc.aio.UnaryUnaryCall:
-        """The call object, so that an abort can cancel it; await it for the answer."""
-        return self._stub.Rollout(request, wait_for_ready=False)
+    def rollout(
+        self, request: pb.RolloutRequest, metadata: grpc.aio.Metadata | None = None
+    ) -> grpc.aio.UnaryUnaryCall:
+        """The call object, so that an abort can cancel it; await it for the answer.
+        ``metadata``: the request's trace context (``traceparent``, ``x-request-id``)."""
+        return self._stub.Rollout(request, wait_for_ready=False, metadata=metadata)
 
     def stream_rollout(self, request: pb.RolloutRequest) -> PendingRollout:
         """A rollout on the shared Rollouts stream; await it for the answer, cancel()
         to abort. Fails like the Rollout call would (``grpc.aio.AioRpcError``)."""
         return self._rollouts.start(request)
 
-    def generate(self, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
-        return self._stub.Generate(request, wait_for_ready=False)
+    def generate(
+        self, request: pb.GenerateRequest, metadata: grpc.aio.Metadata | None = None
+    ) -> grpc.aio.UnaryStreamCall:
+        return self._stub.Generate(request, wait_for_ready=False, metadata=metadata)
 
     def stream_generate(self, request: pb.GenerateRequest) -> PendingGenerate:
         """A completion on the shared Generates stream; iterate it for its deltas,

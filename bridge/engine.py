@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +34,7 @@ from dynamo.common.backend.worker import WorkerConfig
 from dynamo.common.utils.token_ids import normalize_request_token_ids
 
 import engine_contract
-from bridge import codec, errors
+from bridge import codec, errors, metrics
 from bridge.client import EngineClient, IncompatibleServerError, check_compatible
 from bridge.config import BridgeConfig, parse_args
 from bridge.engine_watch import EngineWatch
@@ -70,6 +71,8 @@ class _InFlight:
     aborted: bool = False
     # Failed by the bridge itself: the engine server stopped answering.
     stalled: bool = False
+    # The request's trace context, sent with a unary call (a stream carries only the id).
+    trace: grpc.aio.Metadata | None = None
 
 
 class BridgeEngine(LLMEngine):
@@ -104,6 +107,13 @@ class BridgeEngine(LLMEngine):
         self._refreshing: asyncio.Task[None] | None = None
         self._refresh_lock = asyncio.Lock()
         self._text = RolloutText(config.model_path)
+        self._server_info = metrics.EngineServerCollector(
+            lambda: (
+                config.engine_address,
+                self.instance_id,
+                self.info.backend_name if self.info is not None else "",
+            )
+        )
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[BridgeEngine, WorkerConfig]:
@@ -115,8 +125,15 @@ class BridgeEngine(LLMEngine):
 
     # -- lifecycle ---------------------------------------------------------
 
+    async def register_prometheus(self, metrics_handle: Any) -> None:
+        """The bridge's own metrics (``bridge.metrics``) in the worker's /metrics."""
+        from dynamo.common.backend.metrics import register_engine_registry
+
+        register_engine_registry(metrics_handle, metrics.REGISTRY)
+
     async def start(self, worker_id: int) -> EngineConfig:
         cfg = self.config
+        metrics.REGISTRY.register(self._server_info)
         if self._system is not None:
             await self._system.start()
         log.info(
@@ -234,6 +251,7 @@ class BridgeEngine(LLMEngine):
 
     async def _engine_changed(self, serving: bool, reason: str) -> None:
         if serving:
+            metrics.RECONNECTS.inc()
             await self._refresh_info()  # maybe another instance: adapt, or stay out
             if self.unservable is None:
                 await self.registration.rejoin(reason)
@@ -276,6 +294,7 @@ class BridgeEngine(LLMEngine):
         was_unservable = self.unservable is not None
         self.unservable = None
         self.info, self.instance_id = info, info.instance_id
+        metrics.INSTANCE_CHANGES.inc()
         client.use_server_limits(info)
         self._stream_rollouts = self._choose_rollout_transport(info)
         self._stream_generates = self._choose_generate_transport(info)
@@ -342,6 +361,8 @@ class BridgeEngine(LLMEngine):
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(KeyError):
+            metrics.REGISTRY.unregister(self._server_info)
         await self.registration.stop()
         if self._refreshing is not None:
             self._refreshing.cancel()
@@ -400,12 +421,18 @@ class BridgeEngine(LLMEngine):
             # Wedged or gone: fail now (migratable) rather than wait on it.
             raise errors.engine_not_serving(self.config.engine_address)
         context_id = context.id()
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "request %s: %s", context_id, {k: v for k, v in request.items() if k != "token_ids"}
-            )
         request_id = (spec.request_id if spec is not None else None) or context_id
-        entry = _InFlight(request_id)
+        trace = _trace_metadata(context, context_id)
+        if log.isEnabledFor(logging.DEBUG):
+            # The id on both sides of the hop, and the trace a stream cannot carry.
+            log.debug(
+                "request %s: engine request %s, traceparent %s, %s",
+                context_id,
+                request_id,
+                trace.get("traceparent", "-"),
+                {k: v for k, v in request.items() if k != "token_ids"},
+            )
+        entry = _InFlight(request_id, trace=trace)
         self._inflight[context_id] = entry
         prompt_tokens = len(request.get("token_ids") or ())
         try:
@@ -441,17 +468,20 @@ class BridgeEngine(LLMEngine):
             rank = self._routed_rank(request)
             if rank is not None:
                 message.data_parallel_rank = rank
+            streamed = self._stream_rollouts
             call: PendingRollout | grpc.aio.UnaryUnaryCall = (
-                client.stream_rollout(message) if self._stream_rollouts else client.rollout(message)
+                client.stream_rollout(message) if streamed else client.rollout(message, entry.trace)
             )
             entry.call = call
             timeout = self.config.rollout_timeout_s
+            started = time.perf_counter()
             try:
                 async with asyncio.timeout(timeout):
                     response = await call
             except TimeoutError:
                 call.cancel()
                 raise errors.rollout_timed_out(timeout) from None
+            metrics.HOPS["rollout", streamed].observe(started)
             if response.instance_id and response.instance_id != self.instance_id:
                 self._set_instance(response.instance_id)  # swapped under us: re-read it
             text = self._text.decode(response.token_ids) if spec.text else ""
@@ -482,18 +512,22 @@ class BridgeEngine(LLMEngine):
             rank = self._routed_rank(request)
             if rank is not None:
                 message.data_parallel_rank = rank
+            streamed = self._stream_generates
             call: PendingGenerate | grpc.aio.UnaryStreamCall = (
                 client.stream_generate(message)
-                if self._stream_generates
-                else client.generate(message)
+                if streamed
+                else client.generate(message, entry.trace)
             )
             entry.call = call
+            started = time.perf_counter()
             async for response in call:
                 chunk = codec.generate_chunk(response)
                 generated += len(chunk["token_ids"])
-                yield chunk
                 if "finish_reason" in chunk:
+                    metrics.HOPS["completion", streamed].observe(started)
+                    yield chunk
                     return
+                yield chunk
         except asyncio.CancelledError:
             if entry.stalled:
                 raise errors.engine_not_serving(self.config.engine_address) from None
@@ -543,6 +577,20 @@ class BridgeEngine(LLMEngine):
 
     def inflight_request_ids(self) -> Sequence[str]:
         return [e.request_id for e in self._inflight.values()]
+
+
+def _trace_metadata(context: Context, context_id: str) -> grpc.aio.Metadata:
+    """Dynamo's request id and W3C trace context, for a unary call's metadata (Dynamo
+    has a trace context for a backend only with its OTel layer on: DYN_LOGGING_JSONL=1
+    or OTEL_EXPORT_ENABLED=1)."""
+    metadata = grpc.aio.Metadata(("x-request-id", context_id))
+    headers = context.trace_headers()
+    if headers:
+        for key in ("traceparent", "tracestate"):
+            value = headers.get(key)
+            if value:
+                metadata.add(key, value)
+    return metadata
 
 
 def _is_cancelled(exc: BaseException) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from bridge import metrics
 from bridge.client import EngineClient
 from bridge.kv_view import RouterView, Verdict
 
@@ -70,7 +71,11 @@ class KvRelay:
         low, high = self._backoff_s
         delay = low
         view = self.view
+        first = True
         while True:
+            if not first:
+                metrics.KV_RESUBSCRIPTIONS.inc()
+            first = False
             request = view.subscription_request()
             call = self._client.subscribe_kv_events(request)
             self._call, self._resync = call, False

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from bridge import metrics
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -232,6 +234,14 @@ class RouterView:
             )
         self.last_seq = seq
         self.batches_applied += 1
+        if batch.HasField("snapshot"):
+            if self._snapshot_next is None:  # its last part
+                metrics.KV_SNAPSHOTS.inc()
+        else:
+            metrics.KV_BATCHES.inc()
+            metrics.KV_EVENTS.inc(len(batch.events))
+            if batch.timestamp_unix_nanos:
+                metrics.KV_LAG_SECONDS.observe((time.time_ns() - batch.timestamp_unix_nanos) / 1e9)
         return Verdict.APPLIED
 
     def _apply_event(self, rank: int, event: pb.KvEvent) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
+from bridge import metrics
 from engine_contract.retry import LIMIT_TRAILER
 from engine_contract.v1 import engine_pb2 as pb
 
@@ -110,6 +111,12 @@ class MuxStream(Generic[P]):
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
         self.dead = False
+        stream = f"{kind.noun}s"
+        metrics.STREAMS_OPENED.labels(stream).inc()
+        self._open_gauge = metrics.STREAMS_OPEN.labels(stream)
+        self._open_gauge.inc()
+        self._sent_per_message = metrics.STREAM_ITEMS_PER_MESSAGE.labels(stream, "sent")
+        self._received_per_message = metrics.STREAM_ITEMS_PER_MESSAGE.labels(stream, "received")
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read(), name=f"{kind.noun}s-reader")
         self._writer = loop.create_task(self._write_loop(), name=f"{kind.noun}s-writer")
@@ -193,6 +200,8 @@ class MuxStream(Generic[P]):
         for _, tag, request in batch:
             add(tag=tag, **{field: request})
             self._sent.add(tag)
+        if batch:
+            self._sent_per_message.observe(len(batch))
         return message
 
     async def _read(self) -> None:
@@ -201,7 +210,9 @@ class MuxStream(Generic[P]):
         try:
             async for message in self.call:
                 pending = self.pending
-                for item in getattr(message, field):
+                items = getattr(message, field)
+                self._received_per_message.observe(len(items))
+                for item in items:
                     tag = item.tag
                     waiter = pending.get(tag)
                     if waiter is None:
@@ -227,6 +238,8 @@ class MuxStream(Generic[P]):
 
     def _fail(self, error: grpc.aio.AioRpcError) -> None:
         """The call is over: every request still waiting on it fails with its status."""
+        if not self.dead:
+            self._open_gauge.dec()
         self.dead = True
         self._writer.cancel()
         pending, self.pending = self.pending, {}

@@ -53,6 +53,16 @@ def _int_list(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range 0..65535")
+    return port
+
+
 def build_parser(backend: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine_server", description=DESCRIPTION)
     parser.add_argument(
@@ -87,6 +97,14 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
         "--tls-client-ca",
         type=Path,
         help="CA bundle (PEM); clients must then present a certificate it signed",
+    )
+    net.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --listen's "
+        "(loopback for a unix socket: remote only where --allow-remote let --listen be); "
+        "0 picks a free port (default: off)",
     )
     net.add_argument(
         "--ready-file", type=Path, help="write the bound address here once the engine is ready"
@@ -235,6 +253,7 @@ def _server_config(
         grace_period_s=args.grace_period_s,
         stream_write_timeout_s=args.stream_write_timeout_s or None,
         start_paused=args.start_paused,
+        metrics_port=args.metrics_port,
         kv_replay_batches=args.kv_replay_batches,
     )
 
@@ -283,6 +302,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.ready_file:
         args.ready_file.write_text(handle.address + "\n")
     print(f"engine server ready on {handle.address} (instance {handle.instance_id})", flush=True)
+    if handle.metrics is not None:
+        print(f"metrics on {handle.metrics.address}", flush=True)
     await handle.wait_stopped()
     return 0
 

@@ -105,6 +105,10 @@ class ServerConfig:
     # Generation paused from the start (PauseGeneration WAIT): requests wait for
     # a trainer's update and ResumeGeneration.
     start_paused: bool = False
+    # Prometheus metrics at http://HOST:PORT/metrics (0: any free port; None: off),
+    # HOST being the gRPC listener's (loopback for a unix socket), so that metrics
+    # are reachable from elsewhere only where the contract is (allow_remote).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         """The same checks for ``serve(backend, ServerConfig(...))`` as for the CLI."""
@@ -115,6 +119,8 @@ class ServerConfig:
                 "carries no authentication beyond TLS client certificates; pass allow_remote "
                 "(--allow-remote) to do it anyway"
             )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace period must be >= 0 s, got {self.grace_period_s}")
         if self.stream_write_timeout_s is not None and not self.stream_write_timeout_s > 0:

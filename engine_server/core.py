@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
-from engine_server import admission, codec
+from engine_server import admission, codec, metrics, tracing
 from engine_server.backends.base import (
     EngineBackend,
     EngineDeadError,
@@ -182,9 +182,11 @@ class ServerCore:
         self, request: pb.RolloutRequest, into: pb.RolloutResponse | None = None
     ) -> pb.RolloutResponse:
         """One rollout's answer (written into ``into`` when given, to spare a copy)."""
+        arrived = time.perf_counter()
         serving = self.serving()
         plan = admission.plan_rollout(request, serving.info, serving.defaults, self.config.limits)
         self.admit()
+        tracing.started("rollout", plan.request_id)
         response = pb.RolloutResponse() if into is None else into
         response.request_id = plan.request_id
         response.instance_id = self.instance_id
@@ -193,12 +195,15 @@ class ServerCore:
                 # NeMo RL's "nothing generated": the prompt alone, untruncated.
                 response.finish_reason = pb.FINISH_REASON_LENGTH
                 response.usage.CopyFrom(_usage(plan, None, 0))
+                metrics.ROLLOUT.finished(arrived, None, response.finish_reason, response.usage)
                 return response
             await self.refit.gate(entry)
             if entry.abort_requested:  # aborted while waiting for a paused engine
                 response.finish_reason = pb.FINISH_REASON_ABORTED
                 response.usage.CopyFrom(_usage(plan, None, 0))
+                metrics.ROLLOUT.finished(arrived, None, response.finish_reason, response.usage)
                 return response
+            engine_from = time.perf_counter()
             tokens = response.token_ids
             logprobs = response.logprobs
             last: EngineOutput | None = None
@@ -217,6 +222,7 @@ class ServerCore:
             response.r3_stats.CopyFrom(
                 codec.r3_stats(last.routed_experts, len(plan.prompt_token_ids), len(tokens))
             )
+        metrics.ROLLOUT.finished(arrived, engine_from, response.finish_reason, response.usage)
         return response
 
     async def generate(
@@ -227,17 +233,20 @@ class ServerCore:
         Close the iterator early (``contextlib.aclosing``) and the engine
         request is aborted at once.
         """
+        arrived = time.perf_counter()
         serving = self.serving()
         plan = admission.plan_generate(request, serving.info, self.config.limits)
         self.admit()
+        tracing.started("completion", plan.request_id)
         with self.registry.track(plan.request_id) as entry:
             if plan.generates_nothing:
-                yield self._nothing_generated(plan, pb.FINISH_REASON_LENGTH)
+                yield self._nothing_generated(plan, pb.FINISH_REASON_LENGTH, arrived)
                 return
             await self.refit.gate(entry)
             if entry.abort_requested:  # aborted while waiting for a paused engine
-                yield self._nothing_generated(plan, pb.FINISH_REASON_ABORTED)
+                yield self._nothing_generated(plan, pb.FINISH_REASON_ABORTED, arrived)
                 return
+            engine_from = time.perf_counter()
             want_logprobs = plan.spec.logprobs is not None
             want_top = bool(plan.spec.logprobs)
             completion = 0
@@ -257,7 +266,11 @@ class ServerCore:
                                 logprobs=[lp for _, lp in alternatives],
                             )
                     if out.finished:
-                        self._finish(message.finished, plan, out, completion)
+                        done = message.finished
+                        self._finish(done, plan, out, completion)
+                        metrics.GENERATE.finished(
+                            arrived, engine_from, done.finish_reason, done.usage
+                        )
                     yield message
             finally:
                 # A consumer that stops early (a stalled write, a cancelled call)
@@ -278,9 +291,12 @@ class ServerCore:
             return pb.AbortResponse(outcome=pb.ABORT_OUTCOME_NOT_FOUND)
         if target == "all":
             count = await self.registry.abort_all()
+            metrics.ABORT_RPC.inc(count)
             outcome = pb.ABORT_OUTCOME_ABORTED if count else pb.ABORT_OUTCOME_NOT_FOUND
             return pb.AbortResponse(outcome=outcome, aborted_count=count)
         result = await self.registry.abort(request.request_id)
+        if result is AbortOutcome.ABORTED:
+            metrics.ABORT_RPC.inc()
         return pb.AbortResponse(
             outcome=ABORT_OUTCOMES[result],
             aborted_count=1 if result is AbortOutcome.ABORTED else 0,
@@ -294,13 +310,13 @@ class ServerCore:
             raise EngineUnavailable(f"engine died: {e}") from e
 
     def _nothing_generated(
-        self, plan: admission.Plan, reason: pb.FinishReason
+        self, plan: admission.Plan, reason: pb.FinishReason, arrived: float
     ) -> pb.GenerateResponse:
+        usage = _usage(plan, None, 0)
+        metrics.GENERATE.finished(arrived, None, reason, usage)
         return pb.GenerateResponse(
             finished=pb.GenerateFinished(
-                finish_reason=reason,
-                usage=_usage(plan, None, 0),
-                instance_id=self.instance_id,
+                finish_reason=reason, usage=usage, instance_id=self.instance_id
             )
         )
 

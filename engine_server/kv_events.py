@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from engine_contract.v1 import engine_pb2 as pb
+from engine_server import metrics
 from engine_server.backends.base import (
     AllBlocksCleared,
     BlockRemoved,
@@ -180,6 +181,10 @@ class KvEventHub:
             mirror = self.mirrors[batch.data_parallel_rank] = BlockMirror()
         mirror.apply(batch.events)
         self.last_seq += 1
+        metrics.KV_BATCHES.inc()
+        metrics.KV_EVENTS.inc(len(batch.events))
+        if self.last_seq > self._capacity:  # this batch takes the place of the oldest
+            metrics.KV_EVICTIONS.inc()
         message = pb.SubscribeKvEventsResponse(
             batch=pb.KvEventBatch(
                 instance_id=self.instance_id,
@@ -321,8 +326,10 @@ class KvEventHub:
         most = min(request.max_batches_per_message, MAX_BATCHES_PER_MESSAGE)
         delay = min(request.max_delay_ms, MAX_DELAY_MS) / 1000 if most > 1 else 0.0
         held = False
+        per_message = metrics.KV_BATCHES_PER_MESSAGE
         while not self._closed:
             if cursor is None:
+                metrics.KV_SNAPSHOTS.inc()
                 seq, parts = self._snapshot_blocks()
                 cursor = seq + 1
                 for index in range(len(parts)):
@@ -346,6 +353,7 @@ class KvEventHub:
                 buffered = self._ring[cursor % self._capacity]
                 assert buffered is not None  # cursor is within [oldest_seq, last_seq]
                 cursor += 1
+                per_message.observe(1)
                 yield buffered
                 continue
             if delay and not held and self.last_seq - cursor + 1 < most:
@@ -356,6 +364,7 @@ class KvEventHub:
                 continue
             held = False
             message, cursor = self._pack(cursor, most)
+            per_message.observe(len(message.batches))
             yield message
 
 

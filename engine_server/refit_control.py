@@ -47,6 +47,7 @@ from engine_server.errors import (
     clip,
 )
 from engine_server.handlers import Undecodable
+from engine_server.metrics import ABORT_PAUSE
 from engine_server.registry import ActiveRequest, RequestRegistry
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class RefitControl:
             # Paused from now: requests arriving during a WAIT drain wait at the gate.
             previous, self.paused = self.paused, mode
             marked = self._registry.mark_all_for_pause() if mode is PauseMode.ABORT else []
+            ABORT_PAUSE.inc(len(marked))
             try:
                 await _to_the_end(self._backend.pause(mode, clear))
             except asyncio.CancelledError:
@@ -460,6 +462,7 @@ class RefitControl:
             # Asleep from now: new requests wait at the gate.
             self.sleeping = True
             marked = self._registry.mark_all_for_pause() if mode is PauseMode.ABORT else []
+            ABORT_PAUSE.inc(len(marked))
             try:
                 await _to_the_end(self._backend.sleep(level, mode))
             except asyncio.CancelledError:

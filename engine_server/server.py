@@ -26,6 +26,7 @@ from engine_server.config import ServerConfig
 from engine_server.core import ServerCore
 from engine_server.handlers import add_engine_servicer
 from engine_server.kv_events import KvEventHub
+from engine_server.metrics import ABORT_DRAIN, MetricsEndpoint
 from engine_server.registry import RequestRegistry
 from engine_server.servicer import EngineServicer
 
@@ -84,6 +85,8 @@ class EngineServerHandle:
     _stopping: asyncio.Task[None] | None = None
     # False for a backend its host owns: stop() leaves it running.
     shutdown_backend: bool = True
+    # The Prometheus endpoint (ServerConfig.metrics_port), if on.
+    metrics: MetricsEndpoint | None = None
 
     @property
     def instance_id(self) -> str:
@@ -132,6 +135,7 @@ class EngineServerHandle:
         await _set_health(self._health, NOT_SERVING)
         if not await registry.wait_idle(grace):
             count = await registry.abort_all(shutdown=True)
+            ABORT_DRAIN.inc(count)
             log.warning("[shutdown] grace period over: aborted %d requests", count)
             if not await registry.wait_idle(max(grace, 5.0)):
                 log.error("[shutdown] %d requests did not end after abort", len(registry))
@@ -146,6 +150,8 @@ class EngineServerHandle:
                 await core.backend.shutdown()
             except Exception:
                 log.exception("[shutdown] engine shutdown failed")
+        if self.metrics is not None:
+            await self.metrics.close()
         if not self._ready.done():
             self._ready.set_exception(RuntimeError("server stopped before the engine was ready"))
         self._stopped.set()
@@ -193,6 +199,14 @@ async def start_server(backend: EngineBackend, config: ServerConfig) -> EngineSe
     handle = EngineServerHandle(
         address=address, core=core, _server=server, _health=health, _servicer=servicer
     )
+    if config.metrics_port is not None:
+        host = "127.0.0.1" if listen.host is None else listen.host
+        handle.metrics = MetricsEndpoint(core, host, config.metrics_port)
+        try:
+            await handle.metrics.start()
+        except OSError:
+            await server.stop(grace=0)
+            raise
     log.info("engine server listening on %s (instance %s)", address, core.instance_id)
     handle._tasks.append(asyncio.create_task(_start_engine(handle), name="engine-start"))
     return handle

@@ -17,10 +17,12 @@ import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server import tracing
 from engine_server.admission import check_id_length
 from engine_server.core import ServerCore
 from engine_server.errors import CapacityExceeded, StreamStalled
 from engine_server.generate_stream import GenerateStream
+from engine_server.metrics import ABORT_WATCHDOG
 from engine_server.rollout_stream import RolloutStream
 from engine_server.status import rpc
 from engine_server.tagged_stream import TaggedStream
@@ -41,6 +43,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Rollout(
         self, request: pb.RolloutRequest, context: grpc.aio.ServicerContext
     ) -> pb.RolloutResponse:
+        tracing.bind(context)
         return await self._core.rollout(request)
 
     @rpc
@@ -99,6 +102,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # reading would otherwise park the write (HTTP/2 flow control) and keep
         # the engine request alive for as long as the connection lives. Headers
         # first, on their own, so that the watchdog's status can always follow.
+        tracing.bind(context)
         await context.send_initial_metadata(())
         async with contextlib.aclosing(self._core.generate(request)) as messages:
             async for message in messages:
@@ -120,6 +124,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             async with asyncio.timeout(timeout):
                 await context.write(message)
         except TimeoutError:
+            if isinstance(message, pb.GenerateResponse):
+                ABORT_WATCHDOG.inc()
             raise StreamStalled(timeout, ended) from None
 
     @rpc

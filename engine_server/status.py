@@ -6,7 +6,8 @@ call with its own code and message; anything else is a bug or an engine
 failure nobody anticipated, so it is logged with its traceback and answered
 INTERNAL (never the UNKNOWN gRPC would send for an escaped exception, which
 clients cannot act on). Cancellation and
-an abort already under way pass through untouched.
+an abort already under way pass through untouched. Being the one place every
+call ends, it also counts them by method and status code.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 from engine_contract.retry import LIMIT_TRAILER
 from engine_server.errors import ServerError
 from engine_server.handlers import Undecodable
+from engine_server.metrics import ABORT_CLIENT_CANCEL, RpcCounter
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +45,30 @@ def rpc(
     method: Callable[[Self, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
 ) -> Callable[[Self, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
     """Status boundary for a unary-response method (or one that writes its stream)."""
+    calls = RpcCounter(method.__name__)
+    # A cancelled call of these aborts its one engine request (streams count their own).
+    one_request = method.__name__ in ("Rollout", "Generate")
 
     @functools.wraps(method)
     async def wrapper(self: Self, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-        if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        code = grpc.StatusCode.OK
         try:
+            if isinstance(request, Undecodable):
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(request))
             return await method(self, request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            if one_request:
+                ABORT_CLIENT_CANCEL.inc()
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as e:
+            code = e.code if isinstance(e, ServerError) else grpc.StatusCode.INTERNAL
             await _abort(context, method.__name__, e)
             raise AssertionError("unreachable: context.abort raises") from e
+        finally:
+            calls.ended(code)
 
     return wrapper

@@ -37,6 +37,11 @@ from engine_server.errors import (
     StreamStalled,
 )
 from engine_server.handlers import Undecodable
+from engine_server.metrics import (
+    ABORT_CLIENT_CANCEL,
+    ABORT_WATCHDOG,
+    STREAM_ITEMS_PER_MESSAGE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,8 @@ class TaggedStream(Generic[RequestT, ItemT]):
         self._out: collections.deque[Queued[ItemT]] = collections.deque()
         self._wake = asyncio.Event()
         self._closing = False
+        self._stalled = False
+        self._per_message = STREAM_ITEMS_PER_MESSAGE.labels(self.noun)
 
     # -- what subclasses provide ---------------------------------------------
 
@@ -138,8 +145,13 @@ class TaggedStream(Generic[RequestT, ItemT]):
         finally:
             reader.cancel()
             tasks = list(self._running.values())
+            # The call ended under them: its client went away, or the watchdog
+            # (those cancelled by tag and still ending were counted already).
+            ended = len(tasks) - len(self._cancelled)
             for task in tasks:
                 task.cancel()
+            if ended > 0:
+                (ABORT_WATCHDOG if self._stalled else ABORT_CLIENT_CANCEL).inc(ended)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -174,6 +186,7 @@ class TaggedStream(Generic[RequestT, ItemT]):
             return False
         self._cancelled.add(tag)
         running.cancel()
+        ABORT_CLIENT_CANCEL.inc()
         return True
 
     async def _refuse_excess(self, starts: Sequence[Any], taken: int) -> None:
@@ -299,6 +312,7 @@ class TaggedStream(Generic[RequestT, ItemT]):
             queued = out.popleft()
             self._taken(queued)
             items.append(queued.item)
+        self._per_message.observe(len(items))
         return message
 
     def _taken(self, queued: Queued[ItemT]) -> None:
@@ -313,4 +327,5 @@ class TaggedStream(Generic[RequestT, ItemT]):
             async with asyncio.timeout(timeout):
                 await self._context.write(message)
         except TimeoutError:
+            self._stalled = True
             raise StreamStalled(timeout, f"every {self.noun[:-1]} still running on it") from None

@@ -3,8 +3,9 @@
 Builds the tiny model, starts an engine server (vLLM on CPU/GPU, or the
 simulated engine), a Dynamo bridge and a Dynamo frontend on loopback with file
 discovery, sends sample rollouts through the frontend with the driver client,
-prints the results and the time to the first rollout, and stops everything on
-exit, Ctrl-C or SIGTERM.
+prints the results and a summary (rollouts, p50 latency, tokens/s, time to the
+first rollout), and stops everything on exit, Ctrl-C or SIGTERM. Waits show
+their elapsed time as they go.
 
     python scripts/run_demo.py [--engine vllm|sim] [--model DIR] [--rollouts N] [--keep-logs]
 
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +36,7 @@ from bridge.driver import RolloutClient, RolloutResult  # noqa: E402
 from harness.env import dynamo_env, importable  # noqa: E402
 from harness.http import served_models  # noqa: E402
 from harness.procs import ProcessGroup  # noqa: E402
+from harness.progress import counting, waiting  # noqa: E402
 from harness.tiny_model import tiny_model_dir  # noqa: E402
 from harness.waits import wait_until  # noqa: E402
 
@@ -92,11 +95,19 @@ def show(i: int, prompt: str, result: RolloutResult, tokenizer: object, seconds:
         print(f"    routed experts {experts.dtype} {list(experts.shape)}, r3 {result.r3_stats}")
 
 
-async def send_rollouts(base_url: str, model_dir: Path, name: str, count: int) -> float:
+async def send_rollouts(
+    base_url: str, model_dir: Path, name: str, count: int
+) -> tuple[float, list[float], int, float]:
+    """Sends them one after the other: (time to the first, each one's latency,
+    tokens generated, seconds for all)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     first = 0.0
+    latencies: list[float] = []
+    tokens = 0
+    began = time.monotonic()
+    bar = counting("rollouts", count, unit="rollout")
     async with RolloutClient(base_url, name, timeout_s=120) as client:
         for i in range(count):
             prompt = PROMPTS[i % len(PROMPTS)]
@@ -106,11 +117,16 @@ async def send_rollouts(base_url: str, model_dir: Path, name: str, count: int) -
                 kwargs["stop_strings"] = ["."]
             started = time.monotonic()
             result = await client.rollout(ids, **kwargs)  # type: ignore[arg-type]
-            if i == 0:
-                first = time.monotonic() - T0
-                say(f"first rollout back: {first:.1f}s after start")
-            show(i, prompt, result, tokenizer, time.monotonic() - started)
-    return first
+            latencies.append(time.monotonic() - started)
+            tokens += len(result.token_ids)
+            bar.update()
+            with bar.external_write_mode():
+                if i == 0:
+                    first = time.monotonic() - T0
+                    say(f"first rollout back: {first:.1f}s after start")
+                show(i, prompt, result, tokenizer, latencies[-1])
+    bar.close()
+    return first, latencies, tokens, time.monotonic() - began
 
 
 def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
@@ -128,9 +144,13 @@ def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
         say(f"      model at {model_dir}, served as {name!r}")
 
         say(f"[2/5] starting the engine server ({engine}); logs in {group.log_dir}")
-        _, address = group.engine_server(
-            "engine", *engine_args(engine, model_dir, name), backend=engine
-        )
+        with waiting("      engine server starting (model load)"):
+            _, address = group.engine_server(
+                "engine",
+                *engine_args(engine, model_dir, name),
+                backend=engine,
+                timeout=600 if engine == "vllm" else 60,
+            )
         say(f"      listening on {address}")
 
         say("[3/5] starting the bridge (waits for the engine to be ready)")
@@ -138,17 +158,25 @@ def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
 
         _, base_url = group.frontend("frontend", env)
         say(f"[4/5] starting the Dynamo frontend on {base_url}")
-        wait_until(
-            lambda: name in served_models(base_url),
-            600 if engine == "vllm" else 120,
-            f"model {name!r} at the frontend",
-            group.procs,
-        )
+        with waiting("      bridge and frontend starting, model registering"):
+            wait_until(
+                lambda: name in served_models(base_url),
+                600 if engine == "vllm" else 120,
+                f"model {name!r} at the frontend",
+                group.procs,
+            )
         say("      model registered")
 
         say(f"[5/5] sending {rollouts} rollouts")
-        first = asyncio.run(send_rollouts(base_url, model_dir, name, rollouts))
-        print(f"\nTime to first rollout: {first:.1f} s (engine: {engine})")
+        first, latencies, tokens, seconds = asyncio.run(
+            send_rollouts(base_url, model_dir, name, rollouts)
+        )
+        print(
+            f"\nSummary: {len(latencies)} rollouts, p50 latency "
+            f"{statistics.median(latencies) * 1000:.0f} ms, {tokens} tokens in {seconds:.2f} s "
+            f"({tokens / seconds:.0f} tokens/s, one at a time); first rollout "
+            f"{first:.1f} s after start (engine: {engine})"
+        )
         ok = True
         return 0
     except KeyboardInterrupt:

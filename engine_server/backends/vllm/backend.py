@@ -64,6 +64,7 @@ from engine_server.backends.vllm.kv_events import KvEventSubscriber
 from engine_server.backends.vllm.outputs import OutputConverter
 from engine_server.backends.vllm.sampling import to_sampling_params
 from engine_server.backends.vllm.weights import VllmWeights
+from engine_server.tracing import trace_headers
 
 if TYPE_CHECKING:
     from engine_server.generation_config import GenerationConfig
@@ -305,7 +306,9 @@ class VllmBackend(EngineBackend):
         rank = spec.data_parallel_rank
         if rank is not None and self._info is not None:
             rank += self._info.data_parallel_start_rank  # vLLM numbers ranks globally
-        stream = engine.generate(prompt, params, request_id, data_parallel_rank=rank)
+        stream = engine.generate(
+            prompt, params, request_id, data_parallel_rank=rank, trace_headers=trace_headers()
+        )
         self._live[request_id] = False
         reaborted = False
         try:
