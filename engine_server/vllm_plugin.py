@@ -1,4 +1,14 @@
-"""A vLLM general plugin (entry point ``vllm.general_plugins``), run in every vLLM process.
+"""vLLM general plugins (entry points ``vllm.general_plugins``), run in every vLLM process.
+
+``end_with_engine_server``: vLLM's EngineCore process has no way to notice that
+the process that started it died: an engine server killed with SIGKILL (an OOM
+kill, a crashed host, a test) left its EngineCore running for nobody, holding
+the model's memory (on a GPU, the memory the restarted server then lacks). An
+engine server names itself in ``ENGINE_SERVER_PID`` before it starts vLLM; a
+direct child that finds that variable watches its parent and ends itself
+within half a second of its death (its own workers follow: vLLM's death pipe).
+
+``request_amx_permission``:
 
 vLLM's CPU kernels use Intel AMX tiles for bfloat16 (its CPU attention picks
 the "amx" ISA whenever the CPU reports AMX), but never ask Linux for the
@@ -18,9 +28,33 @@ plugins in every process it starts.
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import signal
+import threading
+import time
 
 log = logging.getLogger(__name__)
+
+# Set by the engine server, to its process id, before it starts vLLM.
+OWNER_ENV = "ENGINE_SERVER_PID"
+_WATCH_INTERVAL_S = 0.5
+
+
+def end_with_engine_server() -> None:
+    owner = os.environ.get(OWNER_ENV, "")
+    if not owner.isdigit() or int(owner) == os.getpid() or os.getppid() != int(owner):
+        return  # the engine server itself, a process it did not start, or a grandchild
+
+    def watch(owner: int) -> None:
+        while os.getppid() == owner:
+            time.sleep(_WATCH_INTERVAL_S)
+        log.error("engine server (pid %d) is gone: ending this vLLM process", owner)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(
+        target=watch, args=(int(owner),), name="end-with-engine-server", daemon=True
+    ).start()
 
 
 def request_amx_permission() -> None:

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import AsyncGenerator, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,7 @@ from engine_server.backends.vllm.outputs import OutputConverter
 from engine_server.backends.vllm.sampling import to_sampling_params
 from engine_server.backends.vllm.weights import VllmWeights
 from engine_server.tracing import trace_headers
+from engine_server.vllm_plugin import OWNER_ENV
 
 if TYPE_CHECKING:
     from engine_server.generation_config import GenerationConfig
@@ -248,6 +250,8 @@ class VllmBackend(EngineBackend):
                 log.warning("KV events are off in the given kv_events_config; none relayed")
             if self._kv is not None:
                 self._kv.start()
+        # vLLM's EngineCore ends with this process (engine_server.vllm_plugin).
+        os.environ[OWNER_ENV] = str(os.getpid())
         try:
             engine = await asyncio.to_thread(
                 AsyncLLM.from_engine_args, ea, stat_loggers=[_stat_logger_factory(self._view)]
