@@ -37,14 +37,14 @@ class RolloutStream(TaggedStream[pb.RolloutRequest, pb.RolloutResult]):
         *,
         max_message_bytes: int,
         write_timeout_s: float | None,
-        max_rollouts: int = Limits.max_rollouts_per_stream,
+        max_running: int = Limits.max_rollouts_per_stream,
         max_starts: int = Limits.max_starts_per_message,
     ) -> None:
         super().__init__(
             context,
             max_message_bytes=max_message_bytes,
             write_timeout_s=write_timeout_s,
-            max_running=max_rollouts,
+            max_running=max_running,
             max_starts=max_starts,
         )
         self._rollout = rollout

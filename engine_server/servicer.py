@@ -52,20 +52,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         request_iterator: AsyncIterator[pb.RolloutsRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        config = self._core.config
-        stream = RolloutStream(
-            self._core.rollout,
-            context,
-            max_message_bytes=config.limits.max_message_bytes,
-            write_timeout_s=config.stream_write_timeout_s,
-            max_rollouts=config.limits.max_rollouts_per_stream,
-            max_starts=config.limits.max_starts_per_message,
-        )
-        self._streams.add(stream)
-        try:
-            await stream.serve(request_iterator)
-        finally:
-            self._streams.discard(stream)
+        limits = self._stream_limits()
+        await self._serve(RolloutStream(self._core.rollout, context, **limits), request_iterator)
 
     @rpc
     async def Generates(
@@ -73,18 +61,24 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         request_iterator: AsyncIterator[pb.GeneratesRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
+        limits = self._stream_limits()
+        await self._serve(GenerateStream(self._core.generate, context, **limits), request_iterator)
+
+    def _stream_limits(self) -> dict[str, Any]:
+        """What bounds a multiplexed stream, from the server's config."""
         config = self._core.config
-        stream = GenerateStream(
-            self._core.generate,
-            context,
-            max_message_bytes=config.limits.max_message_bytes,
-            write_timeout_s=config.stream_write_timeout_s,
-            max_running=config.limits.max_rollouts_per_stream,
-            max_starts=config.limits.max_starts_per_message,
-        )
+        return {
+            "max_message_bytes": config.limits.max_message_bytes,
+            "write_timeout_s": config.stream_write_timeout_s,
+            "max_running": config.limits.max_rollouts_per_stream,
+            "max_starts": config.limits.max_starts_per_message,
+        }
+
+    async def _serve(self, stream: TaggedStream[Any, Any], requests: AsyncIterator[Any]) -> None:
+        """Serve one multiplexed call, closable at shutdown while it runs."""
         self._streams.add(stream)
         try:
-            await stream.serve(request_iterator)
+            await stream.serve(requests)
         finally:
             self._streams.discard(stream)
 
