@@ -261,8 +261,12 @@ def test_waiting_requests_over_the_limit_are_refused() -> None:
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
-            running = [stub.Rollout.future(long_rollout(f"w-{i}"), timeout=60) for i in range(2)]
+            # One at a time: two sent together can both find the engine's queue
+            # holding the first (not yet scheduled), and the second is rightly refused.
+            running = [stub.Rollout.future(long_rollout("w-0"), timeout=60)]
             try:
+                wait_load(server.address, lambda load: load.running_requests == 1, 10)
+                running.append(stub.Rollout.future(long_rollout("w-1"), timeout=60))
                 wait_load(
                     server.address,
                     lambda load: load.running_requests == 1 and load.waiting_requests == 1,
