@@ -11,6 +11,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,20 +218,25 @@ class EngineClient:
         ``metadata``: the request's trace context (``traceparent``, ``x-request-id``)."""
         return self._stub.Rollout(request, wait_for_ready=False, metadata=metadata)
 
-    def stream_rollout(self, request: pb.RolloutRequest) -> PendingRollout:
+    def stream_rollout(
+        self, request: pb.RolloutRequest, trace: Mapping[str, str] | None = None
+    ) -> PendingRollout:
         """A rollout on the shared Rollouts stream; await it for the answer, cancel()
-        to abort. Fails like the Rollout call would (``grpc.aio.AioRpcError``)."""
-        return self._rollouts.start(request)
+        to abort. Fails like the Rollout call would (``grpc.aio.AioRpcError``).
+        ``trace``: the request's W3C trace context (``traceparent``, ``tracestate``)."""
+        return self._rollouts.start(request, trace)
 
     def generate(
         self, request: pb.GenerateRequest, metadata: grpc.aio.Metadata | None = None
     ) -> grpc.aio.UnaryStreamCall:
         return self._stub.Generate(request, wait_for_ready=False, metadata=metadata)
 
-    def stream_generate(self, request: pb.GenerateRequest) -> PendingGenerate:
+    def stream_generate(
+        self, request: pb.GenerateRequest, trace: Mapping[str, str] | None = None
+    ) -> PendingGenerate:
         """A completion on the shared Generates stream; iterate it for its deltas,
         cancel() to abort. Fails like the Generate call would."""
-        return self._generates.start(request)
+        return self._generates.start(request, trace)
 
     async def abort(self, request_id: str, instance_id: str = "") -> pb.AbortResponse:
         return await self._stub.Abort(

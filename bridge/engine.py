@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,8 +71,10 @@ class _InFlight:
     aborted: bool = False
     # Failed by the bridge itself: the engine server stopped answering.
     stalled: bool = False
-    # The request's trace context, sent with a unary call (a stream carries only the id).
-    trace: grpc.aio.Metadata | None = None
+    # Dynamo's request id (the engine request id unless a rollout names its own).
+    context_id: str = ""
+    # The request's W3C trace context (traceparent, tracestate), if Dynamo has one.
+    trace: Mapping[str, str] | None = None
 
 
 class BridgeEngine(LLMEngine):
@@ -422,17 +424,17 @@ class BridgeEngine(LLMEngine):
             raise errors.engine_not_serving(self.config.engine_address)
         context_id = context.id()
         request_id = (spec.request_id if spec is not None else None) or context_id
-        trace = _trace_metadata(context, context_id)
+        trace = _trace_context(context)
         if log.isEnabledFor(logging.DEBUG):
-            # The id on both sides of the hop, and the trace a stream cannot carry.
+            # The id on both sides of the hop, and the trace context.
             log.debug(
                 "request %s: engine request %s, traceparent %s, %s",
                 context_id,
                 request_id,
-                trace.get("traceparent", "-"),
+                (trace or {}).get("traceparent", "-"),
                 {k: v for k, v in request.items() if k != "token_ids"},
             )
-        entry = _InFlight(request_id, trace=trace)
+        entry = _InFlight(request_id, context_id=context_id, trace=trace)
         self._inflight[context_id] = entry
         prompt_tokens = len(request.get("token_ids") or ())
         try:
@@ -470,7 +472,9 @@ class BridgeEngine(LLMEngine):
                 message.data_parallel_rank = rank
             streamed = self._stream_rollouts
             call: PendingRollout | grpc.aio.UnaryUnaryCall = (
-                client.stream_rollout(message) if streamed else client.rollout(message, entry.trace)
+                client.stream_rollout(message, entry.trace)
+                if streamed
+                else client.rollout(message, _trace_metadata(entry))
             )
             entry.call = call
             timeout = self.config.rollout_timeout_s
@@ -514,9 +518,9 @@ class BridgeEngine(LLMEngine):
                 message.data_parallel_rank = rank
             streamed = self._stream_generates
             call: PendingGenerate | grpc.aio.UnaryStreamCall = (
-                client.stream_generate(message)
+                client.stream_generate(message, entry.trace)
                 if streamed
-                else client.generate(message, entry.trace)
+                else client.generate(message, _trace_metadata(entry))
             )
             entry.call = call
             started = time.perf_counter()
@@ -579,17 +583,22 @@ class BridgeEngine(LLMEngine):
         return [e.request_id for e in self._inflight.values()]
 
 
-def _trace_metadata(context: Context, context_id: str) -> grpc.aio.Metadata:
-    """Dynamo's request id and W3C trace context, for a unary call's metadata (Dynamo
-    has a trace context for a backend only with its OTel layer on: DYN_LOGGING_JSONL=1
-    or OTEL_EXPORT_ENABLED=1)."""
-    metadata = grpc.aio.Metadata(("x-request-id", context_id))
+def _trace_context(context: Context) -> Mapping[str, str] | None:
+    """The request's W3C trace context (Dynamo has one for a backend only with its
+    OTel layer on: DYN_LOGGING_JSONL=1 or OTEL_EXPORT_ENABLED=1)."""
     headers = context.trace_headers()
-    if headers:
-        for key in ("traceparent", "tracestate"):
-            value = headers.get(key)
-            if value:
-                metadata.add(key, value)
+    if not headers:
+        return None
+    return {key: value for key in ("traceparent", "tracestate") if (value := headers.get(key))}
+
+
+def _trace_metadata(entry: _InFlight) -> grpc.aio.Metadata:
+    """A unary call's metadata: Dynamo's request id and the trace context (a stream
+    start carries the trace context in its message)."""
+    metadata = grpc.aio.Metadata(("x-request-id", entry.context_id))
+    if entry.trace:
+        for key, value in entry.trace.items():
+            metadata.add(key, value)
     return metadata
 
 

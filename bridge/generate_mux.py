@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -101,9 +101,11 @@ class GenerateMux(TaggedMux[PendingGenerate]):
     def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
         super().__init__(GENERATES, open_stream, max_message_bytes)
 
-    def start(self, request: pb.GenerateRequest) -> PendingGenerate:
+    def start(
+        self, request: pb.GenerateRequest, trace: Mapping[str, str] | None = None
+    ) -> PendingGenerate:
         """Start a completion; raises AioRpcError at once when it cannot be sent."""
-        return self._begin(request, _pending_generate)
+        return self._begin(request, _pending_generate, trace)
 
 
 def _pending_generate(stream: MuxStream[PendingGenerate], tag: int) -> PendingGenerate:

@@ -10,7 +10,7 @@ aborted.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import Any
 
 from bridge.tagged_mux import (
@@ -67,9 +67,11 @@ class RolloutMux(TaggedMux[PendingRollout]):
     def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
         super().__init__(ROLLOUTS, open_stream, max_message_bytes)
 
-    def start(self, request: pb.RolloutRequest) -> PendingRollout:
+    def start(
+        self, request: pb.RolloutRequest, trace: Mapping[str, str] | None = None
+    ) -> PendingRollout:
         """Start a rollout; raises AioRpcError at once when it cannot be sent."""
-        return self._begin(request, _pending_rollout)
+        return self._begin(request, _pending_rollout, trace)
 
 
 def _pending_rollout(stream: MuxStream[PendingRollout], tag: int) -> PendingRollout:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -107,7 +107,7 @@ class MuxStream(Generic[P]):
         self.pending: dict[int, P] = {}
         # Sent and not finished (nor cancelled): what the server holds for us.
         self._sent: set[int] = set()
-        self._starts: list[tuple[int, int, Any]] = []
+        self._starts: list[tuple[int, int, Any, Mapping[str, str] | None]] = []
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
         self.dead = False
@@ -121,8 +121,10 @@ class MuxStream(Generic[P]):
         self._reader = loop.create_task(self._read(), name=f"{kind.noun}s-reader")
         self._writer = loop.create_task(self._write_loop(), name=f"{kind.noun}s-writer")
 
-    def start(self, tag: int, request: Any, pending: P) -> P:
+    def start(self, tag: int, request: Any, pending: P, trace: Mapping[str, str] | None) -> P:
         size = request.ByteSize() + _ITEM_OVERHEAD_BYTES
+        if trace:
+            size += sum(len(k) + len(v) + _ITEM_OVERHEAD_BYTES for k, v in trace.items())
         if size > self._limit:
             raise rpc_error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -140,7 +142,7 @@ class MuxStream(Generic[P]):
                 limit,
             )
         self.pending[tag] = pending
-        self._starts.append((size, tag, request))
+        self._starts.append((size, tag, request, trace))
         self._wake.set()
         return pending
 
@@ -148,7 +150,7 @@ class MuxStream(Generic[P]):
         """The caller cancelled the request under ``tag``: abort it on the server."""
         if self.pending.pop(tag, None) is None or self.dead:
             return  # answered already, or the stream is gone
-        for i, (_, unsent, _) in enumerate(self._starts):
+        for i, (_, unsent, _, _) in enumerate(self._starts):
             if unsent == tag:  # never sent: nothing to cancel on the server
                 del self._starts[i]
                 return
@@ -189,7 +191,7 @@ class MuxStream(Generic[P]):
         self._cancels = []
         total = len(message.cancel) * 11
         n, room = 0, self._room()
-        for size, _, _ in self._starts[:room]:
+        for size, _, _, _ in self._starts[:room]:
             if n and total + size > self._limit:
                 break
             total += size
@@ -197,8 +199,8 @@ class MuxStream(Generic[P]):
         batch, self._starts = self._starts[:n], self._starts[n:]
         add = message.start.add
         field = self.kind.payload_field
-        for _, tag, request in batch:
-            add(tag=tag, **{field: request})
+        for _, tag, request, trace in batch:
+            add(tag=tag, trace_context=trace, **{field: request})
             self._sent.add(tag)
         if batch:
             self._sent_per_message.observe(len(batch))
@@ -276,7 +278,12 @@ class TaggedMux(Generic[P]):
         self._next_tag = 1
         self._closed = False
 
-    def _begin(self, request: Any, make: Callable[[MuxStream[P], int], P]) -> P:
+    def _begin(
+        self,
+        request: Any,
+        make: Callable[[MuxStream[P], int], P],
+        trace: Mapping[str, str] | None = None,
+    ) -> P:
         """Start ``request``, answered by ``make(stream, tag)``; raises AioRpcError at
         once when it cannot be sent."""
         if self._closed:
@@ -288,7 +295,7 @@ class TaggedMux(Generic[P]):
             )
         tag = self._next_tag
         self._next_tag += 1
-        return stream.start(tag, request, make(stream, tag))
+        return stream.start(tag, request, make(stream, tag), trace)
 
     async def close(self) -> None:
         """End the stream (the server aborts what still runs on it). Idempotent."""

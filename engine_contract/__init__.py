@@ -22,7 +22,9 @@ this file and ``v1/__init__.py`` are written by hand.
 #      Data-parallel ranks: a request may name its rank; data_parallel_start_rank.
 #   4  Generates: ordinary completions multiplexed over one bidirectional
 #      stream, their deltas packed (and merged per completion) under load.
-CONTRACT_REVISION = 4
+#   5  RolloutStart and GenerateStart carry the request's W3C trace context
+#      (trace_context), as a unary call's metadata does.
+CONTRACT_REVISION = 5
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout

@@ -22,12 +22,13 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
+from engine_server import tracing
 from engine_server.config import Limits
 from engine_server.errors import (
     CapacityExceeded,
@@ -173,7 +174,7 @@ class TaggedStream(Generic[RequestT, ItemT]):
                     await asyncio.sleep(0)
                 for index in range(first, min(first + _STARTS_PER_SLICE, taken)):
                     start = starts[index]
-                    self._start(start.tag, getattr(start, self.payload_field))
+                    self._start(start.tag, getattr(start, self.payload_field), start.trace_context)
             if taken < len(starts):
                 await self._refuse_excess(starts, taken)
             for tag in later:  # started by this very message
@@ -210,7 +211,7 @@ class TaggedStream(Generic[RequestT, ItemT]):
             self._wake.set()
             await asyncio.sleep(0)
 
-    def _start(self, tag: int, request: RequestT) -> None:
+    def _start(self, tag: int, request: RequestT, trace: Mapping[str, str]) -> None:
         if tag in self._running:
             self._emit(
                 tag,
@@ -229,12 +230,14 @@ class TaggedStream(Generic[RequestT, ItemT]):
             )
             self._emit(tag, self._error(tag, refusal.code, str(refusal), refusal.limit))
         else:
-            task = asyncio.get_running_loop().create_task(self._one(tag, request))
+            task = asyncio.get_running_loop().create_task(self._one(tag, request, trace))
             self._running[tag] = task
             task.add_done_callback(functools.partial(self._finished, tag))
 
-    async def _one(self, tag: int, request: RequestT) -> ItemT | None:
+    async def _one(self, tag: int, request: RequestT, trace: Mapping[str, str]) -> ItemT | None:
         try:
+            if trace:  # the task's own context: this request's alone
+                tracing.use_start(trace)
             return await self._answer(tag, request)
         except ServerError as e:
             return self._error(tag, e.code, str(e), e.limit)

@@ -2,12 +2,12 @@
 
 The engine request id is Dynamo's request id (the bridge uses its context id
 unless a rollout names its own), so grepping one id finds a request in the
-frontend's, the bridge's and this server's logs. A unary ``Rollout`` or
-``Generate`` call may also carry W3C trace context in its metadata
-(``traceparent``, ``tracestate``, ``x-request-id``): it is kept for the call's
+frontend's, the bridge's and this server's logs. A request may also carry W3C
+trace context (``traceparent``, ``tracestate``; a unary ``Rollout`` or
+``Generate`` call in its metadata, with ``x-request-id``; a start on the
+multiplexed streams in its ``trace_context``): it is kept for the request's
 task in a context variable, logged with the id, and handed to vLLM as the
-request's trace headers (its OpenTelemetry spans then join the trace). Requests
-on the multiplexed streams carry their id in the request message only.
+request's trace headers (its OpenTelemetry spans then join the trace).
 
 One DEBUG line per request, built only when DEBUG is on for
 ``engine_server.requests`` (``--log-level debug``): nothing costs otherwise.
@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import grpc
+
+from engine_server.errors import InvalidRequest, clip
 
 log = logging.getLogger("engine_server.requests")
 
 # What a call's metadata may carry, forwarded as is (lower case, as gRPC has it).
 TRACE_KEYS = frozenset({"traceparent", "tracestate", "x-request-id"})
+# A stream start's trace_context (other keys are ignored, but bounded alike).
+MAX_TRACE_ENTRIES = 8
+MAX_TRACE_CHARS = 512
 
 _headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "trace_headers", default=None
@@ -34,9 +39,32 @@ _headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.Context
 def bind(context: grpc.aio.ServicerContext) -> None:
     """Keep the call's trace headers for its task (a unary call: one request)."""
     metadata = context.invocation_metadata()
-    if not metadata:
-        return
-    headers = {k: v for k, v in metadata if k in TRACE_KEYS and isinstance(v, str)}
+    if metadata:
+        use((k, v) for k, v in metadata if isinstance(v, str))
+
+
+def use_start(trace: Mapping[str, str]) -> None:
+    """A stream start's ``trace_context``: bounded (InvalidRequest over the limits),
+    then kept like a unary call's metadata."""
+    if len(trace) > MAX_TRACE_ENTRIES:
+        raise InvalidRequest(
+            "trace_context", f"{len(trace)} entries, more than the limit of {MAX_TRACE_ENTRIES}"
+        )
+    for key, value in trace.items():
+        for part, text in (("key", key), ("value", value)):
+            if len(text) > MAX_TRACE_CHARS:
+                raise InvalidRequest(
+                    f"trace_context[{clip(key, 40)}]",
+                    f"{part} of {len(text)} characters, more than the limit of "
+                    f"{MAX_TRACE_CHARS} (W3C tracestate's own bound)",
+                )
+    use(trace.items())
+
+
+def use(pairs: Iterable[tuple[str, str]]) -> None:
+    """Keep these trace headers for the current task (one request); keys other
+    than TRACE_KEYS are dropped."""
+    headers = {k: v for k, v in pairs if k in TRACE_KEYS}
     if headers:
         _headers.set(headers)
 

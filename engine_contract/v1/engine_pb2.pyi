@@ -277,12 +277,21 @@ class RolloutsRequest(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[RolloutStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RolloutStart(_message.Message):
-    __slots__ = ("tag", "rollout")
+    __slots__ = ("tag", "rollout", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TAG_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     rollout: RolloutRequest
-    def __init__(self, tag: _Optional[int] = ..., rollout: _Optional[_Union[RolloutRequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, tag: _Optional[int] = ..., rollout: _Optional[_Union[RolloutRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RolloutsResponse(_message.Message):
     __slots__ = ("results",)
@@ -431,12 +440,21 @@ class GeneratesRequest(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[GenerateStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStart(_message.Message):
-    __slots__ = ("tag", "generate")
+    __slots__ = ("tag", "generate", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TAG_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     generate: GenerateRequest
-    def __init__(self, tag: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, tag: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GeneratesResponse(_message.Message):
     __slots__ = ("deltas",)

@@ -116,22 +116,29 @@ async def test_scrapes_after_known_traffic(tmp_path: Path, model_dir: Path) -> N
     assert server["dynamo_namespace"] == stack.namespace and server["model_name"] == "tiny"
 
 
-@pytest.mark.parametrize("transport", ["stream", "unary"])
-def test_one_id_across_three_logs(tmp_path: Path, model_dir: Path, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "transport"),
+    [("rollout", "stream"), ("rollout", "unary"), ("completion", "stream")],
+)
+def test_one_id_across_three_logs(
+    tmp_path: Path, model_dir: Path, kind: str, transport: str
+) -> None:
     """Dynamo's request id in the frontend's log (INFO), the bridge's and the engine
-    server's (DEBUG); the W3C trace id sent with the request in the frontend's and
-    the bridge's, and in the engine server's where the rollout went as its own call
-    (a stream has no per-request metadata)."""
+    server's (DEBUG); the W3C trace id sent with the request in all three, whether
+    the request went as its own call (its metadata) or on a multiplexed stream (its
+    start's trace_context, contract revision 5)."""
     with ProcessGroup(tmp_path / "logs") as group:
         # Dynamo hands a backend the trace context only with its OTel layer on
         # (JSONL logs, or OTEL_EXPORT_ENABLED=1 with a collector).
-        stack, _, _ = start(
-            tmp_path, group, model_dir, ("--rollout-transport", transport), DYN_LOGGING_JSONL="1"
-        )
-        body = json.dumps(driver.build_rollout_body("tiny", prompt(1), max_tokens=4)).encode()
+        flag = "--rollout-transport" if kind == "rollout" else "--generate-transport"
+        stack, _, _ = start(tmp_path, group, model_dir, (flag, transport), DYN_LOGGING_JSONL="1")
+        if kind == "rollout":
+            payload = driver.build_rollout_body("tiny", prompt(1), max_tokens=4)
+        else:
+            payload = {"model": "tiny", "prompt": prompt(1), "max_tokens": 4}
         request = urllib.request.Request(
             f"{stack.base_url}/v1/completions",
-            body,
+            json.dumps(payload).encode(),
             {"Content-Type": "application/json", "traceparent": TRACEPARENT},
         )
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -157,8 +164,8 @@ def test_one_id_across_three_logs(tmp_path: Path, model_dir: Path, transport: st
     # The same trace (Dynamo's span under it: another span id).
     traceparent = f"traceparent 00-{TRACE_ID}-"
     assert f"request {dynamo_id}: engine request {dynamo_id}, {traceparent}" in bridge
-    if transport == "stream":
-        assert f"rollout {dynamo_id} started\n" in engine
-    else:
-        line = next(line for line in engine.splitlines() if f"rollout {dynamo_id} started" in line)
-        assert f"traceparent=00-{TRACE_ID}-" in line and f"x-request-id={dynamo_id}" in line
+    line = next(line for line in engine.splitlines() if f"{kind} {dynamo_id} started" in line)
+    assert f"traceparent=00-{TRACE_ID}-" in line, line
+    # A unary call's metadata also names Dynamo's request id (a stream start's
+    # request already does).
+    assert (f"x-request-id={dynamo_id}" in line) == (transport == "unary"), line

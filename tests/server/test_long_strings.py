@@ -89,9 +89,20 @@ def base_request(method: MethodDescriptor) -> Message:
     return request
 
 
+def is_map(field: FieldDescriptor) -> bool:
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
 def with_long(request: Message, path: tuple[FieldDescriptor, ...]) -> Message:
     target = request
     for field in path[:-1]:
+        if is_map(field):  # a long key, or a known key's long value
+            entries = getattr(target, field.name)
+            if path[-1].name == "key":
+                entries["i" * LONG] = "v"
+            else:
+                entries["traceparent"] = "i" * LONG
+            return request
         if field.is_repeated:
             items = getattr(target, field.name)
             target = items[0] if len(items) else items.add()

@@ -1,0 +1,148 @@
+"""A request's W3C trace context reaches the engine on every path (contract
+revision 5): a unary call's metadata, a ``Rollouts`` or ``Generates`` start's
+``trace_context``. The backend sees it as the request's trace headers (vLLM's
+``trace_headers``), for that request alone: two requests on one stream, each
+with its own trace, and one without any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import pytest
+
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server import tracing
+from engine_server.backends.base import EngineOutput, SamplingSpec
+from harness.engine import InProcessServer, sim_cli_args
+
+TRACE_A = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+TRACE_B = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[InProcessServer, dict[str, Mapping[str, str] | None]]]:
+    """A sim server whose backend records each request's trace headers by id."""
+    server = InProcessServer.from_cli(*sim_cli_args())
+    seen: dict[str, Mapping[str, str] | None] = {}
+    backend: Any = server._backend
+    generate = backend.generate
+
+    def recording(
+        request_id: str, prompt_token_ids: Sequence[int], spec: SamplingSpec
+    ) -> AsyncGenerator[EngineOutput, None]:
+        seen[request_id] = tracing.trace_headers()
+        return generate(request_id, prompt_token_ids, spec)
+
+    backend.generate = recording
+    server.start()
+    try:
+        yield server, seen
+    finally:
+        server.stop()
+
+
+def rollout(request_id: str) -> pb.RolloutRequest:
+    return pb.RolloutRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], max_new_tokens=2)
+
+
+def completion(request_id: str) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6, 7])
+    request.stop.max_tokens = 2
+    return request
+
+
+def test_unary_call_metadata(
+    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
+) -> None:
+    address, seen = server[0].address, server[1]
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        stub.Rollout(
+            rollout("unary"),
+            timeout=30,
+            metadata=(("traceparent", TRACE_A), ("x-request-id", "dyn-1"), ("other", "x")),
+        )
+        stub.Rollout(rollout("unary-none"), timeout=30)
+    assert seen["unary"] == {"traceparent": TRACE_A, "x-request-id": "dyn-1"}
+    assert seen["unary-none"] is None
+
+
+def test_rollouts_stream_starts_carry_their_own(
+    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
+) -> None:
+    address, seen = server[0].address, server[1]
+    message = pb.RolloutsRequest(
+        start=[
+            pb.RolloutStart(
+                tag=1,
+                rollout=rollout("a"),
+                trace_context={"traceparent": TRACE_A, "tracestate": "k=v", "bogus": "no"},
+            ),
+            pb.RolloutStart(tag=2, rollout=rollout("b"), trace_context={"traceparent": TRACE_B}),
+            pb.RolloutStart(tag=3, rollout=rollout("none")),
+        ]
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        results = [r for m in stub.Rollouts(iter([message]), timeout=30) for r in m.results]
+    assert sorted(r.tag for r in results if r.HasField("response")) == [1, 2, 3], results
+    assert seen["a"] == {"traceparent": TRACE_A, "tracestate": "k=v"}
+    assert seen["b"] == {"traceparent": TRACE_B}
+    assert seen["none"] is None
+
+
+def test_generates_stream_starts_carry_their_own(
+    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
+) -> None:
+    address, seen = server[0].address, server[1]
+    message = pb.GeneratesRequest(
+        start=[
+            pb.GenerateStart(
+                tag=1, generate=completion("c"), trace_context={"traceparent": TRACE_A}
+            ),
+            pb.GenerateStart(tag=2, generate=completion("d")),
+        ]
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        deltas = [d for m in stub.Generates(iter([message]), timeout=30) for d in m.deltas]
+    finished = {d.tag for d in deltas if d.response.HasField("finished")}
+    assert finished == {1, 2}, deltas
+    assert seen["c"] == {"traceparent": TRACE_A}
+    assert seen["d"] is None
+
+
+def test_an_oversized_trace_context_fails_its_start_alone(
+    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
+) -> None:
+    address, seen = server[0].address, server[1]
+    message = pb.RolloutsRequest(
+        start=[
+            pb.RolloutStart(
+                tag=1, rollout=rollout("long"), trace_context={"traceparent": "0" * 100_000}
+            ),
+            pb.RolloutStart(
+                tag=2,
+                rollout=rollout("many"),
+                trace_context={f"key-{i}": "v" for i in range(20)},
+            ),
+            pb.RolloutStart(tag=3, rollout=rollout("fine"), trace_context={"traceparent": TRACE_A}),
+        ]
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        results = {r.tag: r for m in stub.Rollouts(iter([message]), timeout=30) for r in m.results}
+    for tag, what in (
+        (1, "trace_context['traceparent']: value of 100000 characters"),
+        (2, "20 entries"),
+    ):
+        error = results[tag].error
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], results[tag]
+        assert what in error.message and len(error.message) < 300, error.message
+    assert results[3].HasField("response")
+    assert "long" not in seen and "many" not in seen
+    assert seen["fine"] == {"traceparent": TRACE_A}
