@@ -117,7 +117,7 @@ def affinity(c: Cluster, seed: int) -> tuple[int, set[int]]:
     router never saw them, so it knows where they are only from the KV events): how
     many repeats went to the worker holding the prefix, and the workers used."""
     first = {p: worker_of(c.urls[0], [*pre, 1000 - p]) for p, pre in enumerate(prefixes(seed))}
-    time.sleep(0.3)  # the events' trip: worker -> NATS -> the other router
+    time.sleep(1.0)  # the events' trip: worker -> NATS -> the other router (ms; slack for CI)
     hits = sum(
         worker_of(c.urls[1], [*pre, 900, 901 + p]) == first[p]
         for p, pre in enumerate(prefixes(seed))

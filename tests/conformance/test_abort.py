@@ -89,7 +89,7 @@ async def test_abort_rollout_returns_partial_prefix(stub, server_info) -> None: 
 
 async def test_abort_all(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     calls = [
-        await start_stream(stub, long_generate(server_info, new_id("all"), seed=i))
+        await start_stream(stub, long_generate(server_info, new_id("all"), seed=i, max_tokens=2000))
         for i in range(4)
     ]
     answer = await stub.Abort(pb.AbortRequest(all=True))
@@ -101,7 +101,8 @@ async def test_abort_all(stub, server_info) -> None:  # type: ignore[no-untyped-
 
 async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     calls = [
-        await start_stream(stub, long_generate(server_info, new_id("cx"), seed=i)) for i in range(8)
+        await start_stream(stub, long_generate(server_info, new_id("cx"), seed=i, max_tokens=2000))
+        for i in range(8)
     ]
     rollouts = [
         asyncio.ensure_future(
@@ -109,7 +110,7 @@ async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) ->
                 pb.RolloutRequest(
                     request_id=new_id("cxr"),
                     prompt_token_ids=make_prompt(server_info, 8, 50 + i),
-                    max_new_tokens=min(400, server_info.engine_config.context_length - 8),
+                    max_new_tokens=min(2000, server_info.engine_config.context_length - 8),
                 )
             )
         )
@@ -129,7 +130,7 @@ async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) ->
 
 async def test_duplicate_active_request_id_is_refused_then_reusable(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     request_id = new_id("dup")
-    call = await start_stream(stub, long_generate(server_info, request_id, max_tokens=80))
+    call = await start_stream(stub, long_generate(server_info, request_id, max_tokens=300))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Rollout(
             pb.RolloutRequest(

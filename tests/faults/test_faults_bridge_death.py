@@ -74,8 +74,9 @@ async def test_bridge_killed_with_requests_in_flight(tmp_path: Path, model_dir: 
                 "the new bridge's KV publisher",
                 [bridge2, engine, frontend],
             )
-            # (The snapshot's events reach the router over ZMQ, asynchronously.)
-            await asyncio.sleep(0.3)
+            # (The snapshot's events reach the router over ZMQ, asynchronously: ms,
+            # and slack for a loaded machine.)
+            await asyncio.sleep(1.0)
 
             deadline = time.monotonic() + 60
             while True:

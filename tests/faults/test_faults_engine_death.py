@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from bridge import driver
-from harness.engine import wait_load
+from harness.engine import load, wait_load
 from harness.env import health_env
 from harness.http import Outcome, http_json, post_rollout, post_stream, stream_body
 from harness.ports import free_port, free_system_port
@@ -184,15 +184,16 @@ async def test_requests_on_a_dead_engine_migrate(tmp_path: Path, model_dir: Path
         base = stack.base_url
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             tasks = [
-                asyncio.create_task(post_rollout(session, base, "tiny-migrate", prompt(i), 100))
+                asyncio.create_task(post_rollout(session, base, "tiny-migrate", prompt(i), 250))
                 for i in range(IN_FLIGHT_ROLLOUTS)
             ]
-            half = IN_FLIGHT_ROLLOUTS // 2
-            await asyncio.to_thread(
-                lambda: [
-                    wait_load(a, lambda load: load.running_requests >= half, 60) for a in addresses
-                ]
-            )
+
+            def all_running() -> bool:
+                running = [load(a).running_requests for a in addresses]
+                return sum(running) >= IN_FLIGHT_ROLLOUTS and all(running)
+
+            # 5 s each: all of them run, on both engines, well before any ends.
+            await asyncio.to_thread(wait_until, all_running, 60, "all rollouts running")
             stack.engines[0].proc.kill()
             killed = time.monotonic()
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)

@@ -38,7 +38,8 @@ async def start_rollouts(
     session: aiohttp.ClientSession, base: str, address: str, longs: int
 ) -> tuple[list[asyncio.Task[Outcome]], list[asyncio.Task[Outcome]]]:
     """8 rollouts that end well within the grace period and ``longs`` that never do,
-    all running in the engine when this returns."""
+    all running in the engine when this returns (but short ones that already ended:
+    on a slow machine the first may end before the last arrives)."""
     short = [
         asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
         for i in range(8)
@@ -48,7 +49,12 @@ async def start_rollouts(
         for i in range(longs)
     ]
     running = len(short) + len(long)
-    await asyncio.to_thread(wait_load, address, lambda load: load.running_requests >= running, 30)
+    await asyncio.to_thread(
+        wait_load,
+        address,
+        lambda load: load.running_requests + sum(t.done() for t in short) >= running,
+        30,
+    )
     return short, long
 
 

@@ -36,7 +36,7 @@ async def test_info_and_load(make_backend):
 
 
 async def test_requests_wait_beyond_max_num_seqs(make_backend):
-    backend, _ = await make_backend(max_num_seqs=2, zero_delay=False, decode_step_ms=4.0)
+    backend, _ = await make_backend(max_num_seqs=2, zero_delay=False, decode_step_ms=10.0)
     tasks = [asyncio.create_task(collect(backend, f"r{i}", PROMPT, spec(40))) for i in range(4)]
     await asyncio.sleep(0.05)
     load = backend.load()
@@ -51,7 +51,7 @@ async def test_requests_wait_beyond_max_num_seqs(make_backend):
 async def test_requests_wait_for_kv_blocks(make_backend):
     # 10 blocks of 4: one 24-token prompt takes 6, so a second must wait.
     backend, _ = await make_backend(
-        block_size=4, num_kv_blocks=10, context_length=40, zero_delay=False, decode_step_ms=2.0
+        block_size=4, num_kv_blocks=10, context_length=40, zero_delay=False, decode_step_ms=20.0
     )
     a = asyncio.create_task(collect(backend, "a", list(range(24)), spec(12)))
     await asyncio.sleep(0.01)
