@@ -235,7 +235,8 @@ class EngineClient:
         self, request: pb.GenerateRequest, trace: Mapping[str, str] | None = None
     ) -> PendingGenerate:
         """A completion on the shared Generates stream; iterate it for its deltas,
-        cancel() to abort. Fails like the Generate call would."""
+        cancel() to abort. Fails like the Generate call would. ``trace``: as for
+        ``stream_rollout``."""
         return self._generates.start(request, trace)
 
     async def abort(self, request_id: str, instance_id: str = "") -> pb.AbortResponse:

@@ -49,6 +49,7 @@ from bridge.rollout_mux import PendingRollout
 from bridge.rollout_text import RolloutText
 from bridge.swap import unfollowable_changes
 from bridge.system_server import SystemPort, SystemServer
+from engine_contract.trace import trace_context
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -587,9 +588,7 @@ def _trace_context(context: Context) -> Mapping[str, str] | None:
     """The request's W3C trace context (Dynamo has one for a backend only with its
     OTel layer on: DYN_LOGGING_JSONL=1 or OTEL_EXPORT_ENABLED=1)."""
     headers = context.trace_headers()
-    if not headers:
-        return None
-    return {key: value for key in ("traceparent", "tracestate") if (value := headers.get(key))}
+    return (trace_context(headers) or None) if headers else None
 
 
 def _trace_metadata(entry: _InFlight) -> grpc.aio.Metadata:

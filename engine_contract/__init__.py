@@ -23,7 +23,9 @@ this file and ``v1/__init__.py`` are written by hand.
 #   4  Generates: ordinary completions multiplexed over one bidirectional
 #      stream, their deltas packed (and merged per completion) under load.
 #   5  RolloutStart and GenerateStart carry the request's W3C trace context
-#      (trace_context), as a unary call's metadata does.
+#      (trace_context: traceparent, tracestate), as a unary call's metadata
+#      does; an entry over the bound (``engine_contract.trace``) is dropped,
+#      never refused.
 CONTRACT_REVISION = 5
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1

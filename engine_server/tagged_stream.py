@@ -235,9 +235,9 @@ class TaggedStream(Generic[RequestT, ItemT]):
             task.add_done_callback(functools.partial(self._finished, tag))
 
     async def _one(self, tag: int, request: RequestT, trace: Mapping[str, str]) -> ItemT | None:
+        if trace:  # the task's own context: this request's alone
+            tracing.use_start(trace)
         try:
-            if trace:  # the task's own context: this request's alone
-                tracing.use_start(trace)
             return await self._answer(tag, request)
         except ServerError as e:
             return self._error(tag, e.code, str(e), e.limit)

@@ -21,15 +21,13 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 
-from engine_server.errors import InvalidRequest, clip
+from engine_contract.trace import trace_context
+from engine_server.errors import clip
 
 log = logging.getLogger("engine_server.requests")
 
 # What a call's metadata may carry, forwarded as is (lower case, as gRPC has it).
 TRACE_KEYS = frozenset({"traceparent", "tracestate", "x-request-id"})
-# A stream start's trace_context (other keys are ignored, but bounded alike).
-MAX_TRACE_ENTRIES = 8
-MAX_TRACE_CHARS = 512
 
 _headers: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "trace_headers", default=None
@@ -44,21 +42,17 @@ def bind(context: grpc.aio.ServicerContext) -> None:
 
 
 def use_start(trace: Mapping[str, str]) -> None:
-    """A stream start's ``trace_context``: bounded (InvalidRequest over the limits),
-    then kept like a unary call's metadata."""
-    if len(trace) > MAX_TRACE_ENTRIES:
-        raise InvalidRequest(
-            "trace_context", f"{len(trace)} entries, more than the limit of {MAX_TRACE_ENTRIES}"
+    """Keep a stream start's ``trace_context`` for its task, like a unary call's
+    metadata (only the W3C keys, each within the contract's bound: an entry over
+    it is dropped, and the request runs untraced rather than failing)."""
+    headers = trace_context(trace)
+    if headers:
+        _headers.set(headers)
+    elif log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "trace context dropped (over the bound, or no W3C keys): %s",
+            sorted((clip(k, 40), len(v)) for k, v in list(trace.items())[:8]),
         )
-    for key, value in trace.items():
-        for part, text in (("key", key), ("value", value)):
-            if len(text) > MAX_TRACE_CHARS:
-                raise InvalidRequest(
-                    f"trace_context[{clip(key, 40)}]",
-                    f"{part} of {len(text)} characters, more than the limit of "
-                    f"{MAX_TRACE_CHARS} (W3C tracestate's own bound)",
-                )
-    use(trace.items())
 
 
 def use(pairs: Iterable[tuple[str, str]]) -> None:

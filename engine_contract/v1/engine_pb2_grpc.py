@@ -180,7 +180,9 @@ class EngineServiceServicer:
         complete result (all token ids, all logprobs, routed experts) before it can
         use any of it, so one message saves per-delta framing and wake-ups on the
         hot path. Cancelling the call (or the client dying) aborts the engine
-        request.
+        request. The call's metadata may carry the request's W3C trace context
+        (`traceparent`, `tracestate`) and `x-request-id`; the server logs them with
+        the request id and hands the trace context to the engine (so for Generate).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

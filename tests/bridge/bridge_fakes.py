@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ import engine_contract
 from bridge import codec
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server import tracing
 from engine_server.errors import ServerError
 from engine_server.generate_stream import GenerateStream
 from engine_server.rollout_stream import RolloutStream
@@ -44,6 +45,8 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     # Generates streams opened.
     generate_streams: int = 0
     aborts: list[pb.AbortRequest] = field(default_factory=list)
+    # Each request's trace headers as the server kept them (engine_server.tracing).
+    traces: dict[str, Mapping[str, str] | None] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     kv_batches: asyncio.Queue[pb.KvEventBatch | None] = field(default_factory=asyncio.Queue)
     kv_requests: list[pb.SubscribeKvEventsRequest] = field(default_factory=list)
@@ -73,6 +76,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
         return self.info()
 
     async def Rollout(self, request: Any, context: Any) -> pb.RolloutResponse:
+        tracing.bind(context)
         try:
             return await self._answer(request)
         except ServerError as e:
@@ -96,6 +100,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
 
     async def _answer(self, request: pb.RolloutRequest) -> pb.RolloutResponse:
         self.rollouts.append(request)
+        self.traces[request.request_id] = tracing.trace_headers()
         if self.fail_with is not None:
             failure = ServerError(self.fail_with[1])
             failure.code = self.fail_with[0]
@@ -126,6 +131,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             self.running.discard(request.request_id)
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        tracing.bind(context)
         try:
             async for message in self._deltas(request):
                 yield message
@@ -145,6 +151,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
 
     async def _deltas(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         self.generates.append(request)
+        self.traces[request.request_id] = tracing.trace_headers()
         if self.fail_with is not None:
             failure = ServerError(self.fail_with[1])
             failure.code = self.fail_with[0]

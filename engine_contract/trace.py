@@ -1,0 +1,28 @@
+"""What a request's W3C trace context may carry across the hop, shared by both sides.
+
+A stream start carries ``traceparent`` and ``tracestate`` in its ``trace_context``
+(revision 5), as a unary call carries them in its metadata. Trace context is
+advisory: an entry over the bound is dropped (the bridge does not send it, the
+server does not keep it), never a reason to fail the request. The bound is
+gRPC's default metadata limit, so that a value a unary call could carry, a
+stream start carries too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# The keys a stream start's trace_context carries; others are ignored.
+TRACE_CONTEXT_KEYS = ("traceparent", "tracestate")
+# Characters of one value (gRPC's default metadata limit is 8 KiB in all).
+MAX_TRACE_VALUE_CHARS = 8192
+
+
+def trace_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """The W3C entries of ``headers`` within the bound (empty: none)."""
+    kept: dict[str, str] = {}
+    for key in TRACE_CONTEXT_KEYS:
+        value = headers.get(key)
+        if value and len(value) <= MAX_TRACE_VALUE_CHARS:
+            kept[key] = value
+    return kept
