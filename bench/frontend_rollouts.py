@@ -6,16 +6,16 @@ Zero-delay engine, CPU time per rollout for every process."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 
 from bench.context import CONCURRENCY, GEN_TOKENS, PROMPT_TOKENS, Bench, say
-from bench.measure import Config, interleaved
+from bench.frontend_compare import one_process_vs_bridges
+from bench.measure import Config
 from bench.report import fmt, paired, table
-from bench.stats import Cell, Summary, closed_loop, summarize
+from bench.stats import Cell, Summary, closed_loop
 from bridge import driver
 from harness.procs import Proc
 
@@ -128,15 +128,6 @@ class FrontendRollouts:
         return "\n".join([*lines, ""])
 
 
-@asynccontextmanager
-async def frontend_session() -> AsyncIterator[aiohttp.ClientSession]:
-    """An HTTP session without a connection limit, for closed-loop load."""
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        yield session
-
-
 def rollout_sender(
     client: driver.RolloutClient, prompts: Sequence[list[int]], max_tokens: int, exact: bool
 ) -> Callable[[int], Awaitable[None]]:
@@ -168,29 +159,7 @@ def frontend_config(
 
 async def run(bench: Bench) -> FrontendRollouts:
     say("part 1: rollouts through Dynamo's frontend, one process vs two")
-    frontend = bench.frontend()
-    worker = bench.start_worker(ONE_PROCESS, bench.sim_args())
-    engines = bench.sim_engines()
-    bridges = {
-        "grpc-tcp": bench.start_bridge("grpc-tcp", engines["tcp"].address),
-        "grpc-unix": bench.start_bridge("grpc-unix", engines["unix"].address),
-        "unary-tcp": bench.start_bridge(
-            "unary-tcp", engines["tcp"].address, "--rollout-transport", "unary"
-        ),
-    }
-    serving = {
-        ONE_PROCESS: [frontend, worker],
-        "grpc-tcp": [frontend, bridges["grpc-tcp"], engines["tcp"].proc],
-        "grpc-unix": [frontend, bridges["grpc-unix"], engines["unix"].proc],
-        "unary-tcp": [frontend, bridges["unary-tcp"], engines["tcp"].proc],
-    }
-    bench.wait_models(CONFIGS)
-    async with frontend_session() as session:
-        configs = [frontend_config(bench, session, name, serving[name]) for name in CONFIGS]
-        for config in configs:  # warm-up: connections, caches
-            await config.measure(16, 64)
-        cells = await interleaved(configs, CONCURRENCY, bench.options.reps, bench.requests_for, say)
-    bench.stop(worker, *bridges.values())
-    return FrontendRollouts(
-        {name: {c: summarize(cs) for c, cs in per.items()} for name, per in cells.items()}
+    summaries = await one_process_vs_bridges(
+        bench, ONE_PROCESS, tuple(TRANSPORTS), "--rollout-transport", frontend_config, CONCURRENCY
     )
+    return FrontendRollouts(summaries)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.context import GEN_TOKENS, PROMPT_TOKENS, Bench, say
-from bench.frontend_rollouts import frontend_session
-from bench.measure import Config, interleaved
+from bench.frontend_compare import one_process_vs_bridges
+from bench.measure import Config
 from bench.report import fmt, paired, table
-from bench.stats import Cell, Summary, closed_loop, summarize
+from bench.stats import Cell, Summary, closed_loop
 from harness.procs import Proc
 
 CONCURRENCY = (1, 16, 64)
@@ -181,29 +181,7 @@ def stream_config(
 
 async def run(bench: Bench) -> Streaming:
     say("part 7: streamed completions through Dynamo's frontend, one process vs two")
-    frontend = bench.frontend()
-    worker = bench.start_worker(ONE_PROCESS, bench.sim_args())
-    engines = bench.sim_engines()
-    bridges = {
-        "sgrpc-tcp": bench.start_bridge("sgrpc-tcp", engines["tcp"].address),
-        "sgrpc-unix": bench.start_bridge("sgrpc-unix", engines["unix"].address),
-        "sunary-tcp": bench.start_bridge(
-            "sunary-tcp", engines["tcp"].address, "--generate-transport", "unary"
-        ),
-    }
-    serving = {
-        ONE_PROCESS: [frontend, worker],
-        "sgrpc-tcp": [frontend, bridges["sgrpc-tcp"], engines["tcp"].proc],
-        "sgrpc-unix": [frontend, bridges["sgrpc-unix"], engines["unix"].proc],
-        "sunary-tcp": [frontend, bridges["sunary-tcp"], engines["tcp"].proc],
-    }
-    bench.wait_models(CONFIGS)
-    async with frontend_session() as session:
-        configs = [stream_config(bench, session, name, serving[name]) for name in CONFIGS]
-        for config in configs:  # warm-up: connections, caches
-            await config.measure(16, 64)
-        cells = await interleaved(configs, CONCURRENCY, bench.options.reps, bench.requests_for, say)
-    bench.stop(worker, *bridges.values())
-    return Streaming(
-        {name: {c: summarize(cs) for c, cs in per.items()} for name, per in cells.items()}
+    summaries = await one_process_vs_bridges(
+        bench, ONE_PROCESS, tuple(TRANSPORTS), "--generate-transport", stream_config, CONCURRENCY
     )
+    return Streaming(summaries)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.context import GEN_TOKENS, Bench, say
-from bench.frontend_rollouts import frontend_session, rollout_sender
+from bench.frontend_compare import frontend_session
+from bench.frontend_rollouts import rollout_sender
 from bench.measure import Config, interleaved
 from bench.report import fmt, table
 from bench.stats import Cell, Summary, closed_loop, summarize

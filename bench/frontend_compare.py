@@ -1,0 +1,65 @@
+"""(a) one process against (b) bridge + engine server, through one Dynamo frontend:
+the set-up parts 1 and 7 share. (b) runs three ways: the multiplexed stream over
+TCP and over a unix socket, and one call per request over TCP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import aiohttp
+
+from bench.context import Bench, say
+from bench.measure import Config, interleaved
+from bench.stats import Summary, summarize
+from harness.procs import Proc
+
+# Builds one configuration: (bench, session, model name, its serving processes).
+MakeConfig = Callable[[Bench, aiohttp.ClientSession, str, Sequence[Proc]], Config]
+
+
+@asynccontextmanager
+async def frontend_session() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP session without a connection limit, for closed-loop load."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield session
+
+
+async def one_process_vs_bridges(
+    bench: Bench,
+    one_process: str,
+    transports: Sequence[str],
+    unary_flag: str,
+    make_config: MakeConfig,
+    concurrency: Sequence[int],
+) -> dict[str, dict[int, Summary]]:
+    """Medians per configuration and concurrency. ``one_process`` and the three
+    ``transports`` (stream over TCP, stream over unix, one call each over TCP) are
+    the model names each is served as; ``unary_flag`` makes a bridge send one call
+    per request."""
+    tcp, unix, unary = transports
+    frontend = bench.frontend()
+    worker = bench.start_worker(one_process, bench.sim_args())
+    engines = bench.sim_engines()
+    bridges = {
+        tcp: bench.start_bridge(tcp, engines["tcp"].address),
+        unix: bench.start_bridge(unix, engines["unix"].address),
+        unary: bench.start_bridge(unary, engines["tcp"].address, unary_flag, "unary"),
+    }
+    serving = {
+        one_process: [frontend, worker],
+        tcp: [frontend, bridges[tcp], engines["tcp"].proc],
+        unix: [frontend, bridges[unix], engines["unix"].proc],
+        unary: [frontend, bridges[unary], engines["tcp"].proc],
+    }
+    names = (one_process, tcp, unix, unary)
+    bench.wait_models(names)
+    async with frontend_session() as session:
+        configs = [make_config(bench, session, name, serving[name]) for name in names]
+        for config in configs:  # warm-up: connections, caches
+            await config.measure(16, 64)
+        cells = await interleaved(configs, concurrency, bench.options.reps, bench.requests_for, say)
+    bench.stop(worker, *bridges.values())
+    return {name: {c: summarize(cs) for c, cs in per.items()} for name, per in cells.items()}
