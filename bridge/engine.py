@@ -194,27 +194,40 @@ class BridgeEngine(LLMEngine):
 
     def _choose_rollout_transport(self, info: pb.GetServerInfoResponse) -> bool:
         """True to stream rollouts; refuses a server too old for a required stream."""
-        serves_stream = info.contract_revision >= engine_contract.ROLLOUTS_STREAM_REVISION
-        transport = self.config.rollout_transport
-        if transport == "stream" and not serves_stream:
-            raise IncompatibleServerError(
-                f"engine server at {self.config.engine_address} implements contract revision "
-                f"{info.contract_revision}, without the Rollouts stream (revision "
-                f"{engine_contract.ROLLOUTS_STREAM_REVISION}) that --rollout-transport "
-                "stream needs: upgrade the engine server or use auto"
-            )
-        return transport == "stream" or (transport == "auto" and serves_stream)
+        return self._choose_transport(
+            info,
+            self.config.rollout_transport,
+            "--rollout-transport",
+            "Rollouts",
+            engine_contract.ROLLOUTS_STREAM_REVISION,
+        )
 
     def _choose_generate_transport(self, info: pb.GetServerInfoResponse) -> bool:
         """True to multiplex completions; refuses a server too old for a required stream."""
-        serves_stream = info.contract_revision >= engine_contract.GENERATES_STREAM_REVISION
-        transport = self.config.generate_transport
+        return self._choose_transport(
+            info,
+            self.config.generate_transport,
+            "--generate-transport",
+            "Generates",
+            engine_contract.GENERATES_STREAM_REVISION,
+        )
+
+    def _choose_transport(
+        self,
+        info: pb.GetServerInfoResponse,
+        transport: str,
+        flag: str,
+        stream: str,
+        revision: int,
+    ) -> bool:
+        """``transport`` (``flag``: auto|stream|unary) against a server: True to use
+        ``stream``, which servers serve from contract ``revision`` on."""
+        serves_stream = info.contract_revision >= revision
         if transport == "stream" and not serves_stream:
             raise IncompatibleServerError(
                 f"engine server at {self.config.engine_address} implements contract revision "
-                f"{info.contract_revision}, without the Generates stream (revision "
-                f"{engine_contract.GENERATES_STREAM_REVISION}) that --generate-transport "
-                "stream needs: upgrade the engine server or use auto"
+                f"{info.contract_revision}, without the {stream} stream (revision "
+                f"{revision}) that {flag} stream needs: upgrade the engine server or use auto"
             )
         return transport == "stream" or (transport == "auto" and serves_stream)
 
