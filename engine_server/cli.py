@@ -283,12 +283,22 @@ def backend_and_config(args: argparse.Namespace) -> tuple[EngineBackend, ServerC
     return backend, config
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 async def run(args: argparse.Namespace) -> int:
     backend, config = backend_and_config(args)
     handle = await start_server(backend, config)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, _on_signal, handle, sig)
+    try:
+        return await _serve(args, handle)
+    finally:
+        _ignore_stop_signals(loop)
+
+
+async def _serve(args: argparse.Namespace, handle: EngineServerHandle) -> int:
     try:
         await handle.wait_ready()
     except Exception as e:
@@ -306,6 +316,15 @@ async def run(args: argparse.Namespace) -> int:
         print(f"metrics on {handle.metrics.address}", flush=True)
     await handle.wait_stopped()
     return 0
+
+
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Stopped: what is left is the interpreter's exit. Closing the loop would put
+    back the default handlers, and a SIGTERM repeated by a supervisor in that window
+    would turn a clean exit (0) into death by signal."""
+    for sig in STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _on_signal(handle: EngineServerHandle, sig: signal.Signals) -> None:

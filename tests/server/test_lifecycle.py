@@ -119,6 +119,20 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
         assert "[shutdown] stopped" in proc.log_tail()
 
 
+def test_sigterm_repeated_until_it_exits_still_exits_zero(tmp_path: Path) -> None:
+    """A supervisor that repeats SIGTERM (as a test's stop() does) up to the very end:
+    the exit is still clean, never death by the signal in the interpreter's teardown."""
+    with ProcessGroup(tmp_path) as group:
+        proc, _ = group.engine_server("server", "--grace-period-s", "1")
+        deadline = time.monotonic() + 20
+        while proc.alive():
+            assert time.monotonic() < deadline, proc.log_tail()
+            proc.signal(signal.SIGTERM)
+            time.sleep(0.005)
+        assert proc.wait_exit(5) == 0, proc.log_tail()
+        assert "[shutdown] stopped" in proc.log_tail()
+
+
 def test_unix_socket(tmp_path: Path) -> None:
     server = inproc("--listen", f"unix:{tmp_path}/engine.sock").start()
     try:
