@@ -116,15 +116,22 @@ async def test_cancelled_calls_abort_their_engine_requests(stub, server_info) ->
         )
         for i in range(8)
     ]
-    # Every call running (a rollout may end early on EOS: the engine decides).
+    # Read, so that a stream that ended is seen to have ended.
+    readers = [asyncio.ensure_future(drain(call)) for call in calls]
+    # Every call running, but those that already ended: a rollout may end early on
+    # EOS, and a fast engine (vLLM, the tiny model) may finish a stream meanwhile.
     await wait_load_async(
         stub,
-        lambda load: load.registered_requests >= 8 + sum(not r.done() for r in rollouts),
+        lambda load: (
+            load.registered_requests + sum(t.done() for t in (*readers, *rollouts))
+            >= len(calls) + len(rollouts)
+        ),
     )
     for call in calls:
         call.cancel()
     for pending in rollouts:
         pending.cancel()
+    await asyncio.gather(*readers, return_exceptions=True)
     await wait_load_async(stub, idle, 1.0, "engine idle 1 s after cancel")
 
 
