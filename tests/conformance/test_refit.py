@@ -194,33 +194,60 @@ async def test_version_label_applies_to_new_rollouts(refit: Refit) -> None:
 
 async def test_pause_abort_ends_requests_in_flight_with_retryable_aborted(refit: Refit) -> None:
     _needs(refit.info, "pause")
+    # A fast engine (vLLM with the tiny model) may finish a request, or sample
+    # EOS, before the pause lands; such a try is resumed and made again.
+    for _ in range(5):
+        if await _abort_pause_try(refit):
+            return
+    pytest.fail("in 5 tries the pause never found both requests still running")
+
+
+async def _abort_pause_try(refit: Refit) -> bool:
+    """One Generate and one Rollout, then Pause(ABORT): True when both were
+    running and both ended ABORTED; False (resumed again) when one finished
+    first. Either way the pause's count equals the requests it ended."""
     stub, info = refit.stub, refit.info
-    call = stub.Generate(long_generate(info, new_id("pa")))
+    room = info.engine_config.context_length - 8
+    call = stub.Generate(long_generate(info, new_id("pa"), max_tokens=room))
     assert (await asyncio.wait_for(call.read(), 10)).token_ids
     rollout = asyncio.ensure_future(
         stub.Rollout(
             pb.RolloutRequest(
                 request_id=new_id("pa"),
                 prompt_token_ids=make_prompt(info, 8, 5),
-                max_new_tokens=min(400, info.engine_config.context_length - 8),
+                max_new_tokens=room,
             )
         )
     )
     await wait_load_async(
-        stub, lambda load: load.running_requests + load.waiting_requests >= 2, 10, "both running"
+        stub,
+        lambda load: load.running_requests + load.waiting_requests >= 2 or rollout.done(),
+        10,
+        "both running (or the rollout ended)",
     )
     answer = await refit.pause(pb.PAUSE_MODE_ABORT)
-    assert answer.aborted_count == 2 and answer.cache_cleared
-    with pytest.raises(grpc.aio.AioRpcError) as stream_end:
+    assert answer.cache_cleared
+    ends: list[grpc.StatusCode] = []
+    try:
         while await asyncio.wait_for(call.read(), 10) != grpc.aio.EOF:
             pass
-    assert stream_end.value.code() == grpc.StatusCode.ABORTED
-    with pytest.raises(grpc.aio.AioRpcError) as rollout_end:
+        ends.append(grpc.StatusCode.OK)
+    except grpc.aio.AioRpcError as e:
+        ends.append(e.code())
+    try:
         await rollout
-    assert rollout_end.value.code() == grpc.StatusCode.ABORTED
-    assert "pause" in rollout_end.value.details().lower()
+        ends.append(grpc.StatusCode.OK)
+    except grpc.aio.AioRpcError as e:
+        ends.append(e.code())
+        assert e.code() != grpc.StatusCode.ABORTED or "pause" in e.details().lower()
+    assert set(ends) <= {grpc.StatusCode.OK, grpc.StatusCode.ABORTED}, ends
+    assert answer.aborted_count == ends.count(grpc.StatusCode.ABORTED), (answer, ends)
     assert (await stub.IsPaused(pb.IsPausedRequest())).paused
     await wait_load_async(stub, idle, 5, "idle after the abort pause")
+    if ends == [grpc.StatusCode.ABORTED] * 2:
+        return True
+    assert (await refit.resume()).resumed
+    return False
 
 
 async def test_requests_wait_while_paused_and_run_after_resume(refit: Refit) -> None:
@@ -264,7 +291,8 @@ async def test_pause_keep_freezes_and_resume_continues_with_new_version(refit: R
     _needs(refit.info, "pause")
     stub, info = refit.stub, refit.info
     before = (await stub.GetWeightVersion(pb.GetWeightVersionRequest())).weight_version
-    max_tokens = min(120, info.engine_config.context_length - 8)
+    # Long enough that a fast engine (vLLM, tiny model) is still mid-way at the pause.
+    max_tokens = min(480, info.engine_config.context_length - 8)
     call = stub.Generate(long_generate(info, new_id("pk"), max_tokens=max_tokens))
     received: list[pb.GenerateResponse] = []
 
