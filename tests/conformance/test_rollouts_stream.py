@@ -30,8 +30,12 @@ def long_rollout(info: pb.GetServerInfoResponse, seed: int) -> pb.RolloutRequest
     )
 
 
-async def read_results(call, count: int) -> dict[int, pb.RolloutResult]:  # type: ignore[no-untyped-def]
-    results: dict[int, pb.RolloutResult] = {}
+async def read_results(  # type: ignore[no-untyped-def]
+    call, count: int, results: dict[int, pb.RolloutResult] | None = None
+) -> dict[int, pb.RolloutResult]:
+    """The call's next ``count`` results, by tag; ``results`` (when given) fills as
+    they arrive, so that a wait can count the rollouts that already ended."""
+    results = {} if results is None else results
     while len(results) < count:
         message = await asyncio.wait_for(call.read(), 30)
         assert message != grpc.aio.EOF, f"stream ended after {len(results)} of {count} results"
@@ -131,9 +135,13 @@ async def test_cancel_aborts_the_engine_request(stub, server_info) -> None:  # t
             ]
         )
     )
-    await wait_load_async(stub, lambda load: load.registered_requests >= 3)
+    results: dict[int, pb.RolloutResult] = {}
+    reader = asyncio.ensure_future(read_results(call, 3, results))
+    # Every rollout registered, but those already answered (a sampled rollout may
+    # end early on EOS).
+    await wait_load_async(stub, lambda load: load.registered_requests + len(results) >= 3)
     await call.write(pb.RolloutsRequest(cancel=[10, 11, 12, 999]))
-    results = await read_results(call, 3)
+    await asyncio.wait_for(reader, 60)
     for tag in (10, 11, 12):
         if results[tag].WhichOneof("outcome") == "error":
             assert error_of(results[tag])[0] == grpc.StatusCode.CANCELLED
@@ -156,8 +164,11 @@ async def test_ending_the_stream_aborts_its_rollouts(stub, server_info) -> None:
             ]
         )
     )
-    await wait_load_async(stub, lambda load: load.registered_requests >= 6)
+    results: dict[int, pb.RolloutResult] = {}
+    reader = asyncio.ensure_future(read_results(call, 6, results))
+    await wait_load_async(stub, lambda load: load.registered_requests + len(results) >= 6)
     call.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
     await wait_load_async(stub, idle, 1.0, "engine idle 1 s after the stream ended")
 
 
