@@ -30,6 +30,18 @@ RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
 LIMIT_TRAILER = "engine-contract-limit"
 
 
+# The one deliberate difference, on the driver's side. The driver sees only HTTP,
+# and Dynamo's frontend answers 500 both for an engine failure this rule calls
+# final (INTERNAL, FAILED_PRECONDITION, UNKNOWN...: the bridge raises them as
+# Dynamo's Unknown) and for failures of its own that pass; NeMo RL's Dynamo
+# driver retries every 5xx, and so does ours (bridge.driver.RETRYABLE_STATUSES).
+# A final failure then costs at most RetryPolicy.attempts - 1 more tries, never a
+# wrong answer. Everything retryable here reaches the driver as a status it
+# retries (503 once the frontend's migrations are spent), and a request's own
+# fault (INVALID_ARGUMENT and its kin: 400) is never retried.
+HTTP_RETRIED_BEYOND_THE_RULE: frozenset[int] = frozenset({500})
+
+
 def is_retryable(code: grpc.StatusCode, limit: str = "") -> bool:
     """Whether the same request may succeed if sent again (``limit``: the admission
     limit a RESOURCE_EXHAUSTED named, if any)."""

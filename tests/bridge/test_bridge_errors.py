@@ -13,7 +13,8 @@ from dynamo.llm.exceptions import (
 
 from bridge import errors
 from bridge.codec import ProtocolError, RequestError
-from engine_contract.retry import RETRYABLE_CODES
+from bridge.driver import RETRYABLE_STATUSES
+from engine_contract.retry import HTTP_RETRIED_BEYOND_THE_RULE, RETRYABLE_CODES
 
 MIGRATABLE = errors.MIGRATABLE
 
@@ -42,6 +43,27 @@ def test_exactly_the_retryable_codes_are_migrated(code: grpc.StatusCode) -> None
     """The bridge's half of the one retry rule (engine_contract.retry)."""
     migrated = issubclass(errors.STATUS_TO_DYNAMO[code], MIGRATABLE)
     assert migrated == (code in RETRYABLE_CODES), code
+
+
+# What Dynamo 1.6.1's frontend answers for each exception the bridge raises once
+# no migration is left (503: tests/e2e/test_e2e_refit.py's ABORT pause and
+# tests/faults/test_faults_capacity.py see it; 400 and 500 the e2e error tests).
+FRONTEND_STATUS = {Disconnected: 503, InvalidArgument: 400, Unknown: 500}
+
+
+@pytest.mark.parametrize("code", list(grpc.StatusCode))
+def test_the_driver_retries_what_the_rule_retries_and_one_listed_difference(
+    code: grpc.StatusCode,
+) -> None:
+    """The driver's half of the one retry rule, with its one listed difference."""
+    status = FRONTEND_STATUS.get(errors.STATUS_TO_DYNAMO[code])
+    if status is None:
+        return  # Cancelled (the driver's RolloutCancelledError), ConnectionTimeout
+    if code in RETRYABLE_CODES:
+        assert status in RETRYABLE_STATUSES, code
+    elif status in RETRYABLE_STATUSES:
+        assert status in HTTP_RETRIED_BEYOND_THE_RULE, code
+    assert 400 not in RETRYABLE_STATUSES
 
 
 def test_lost_engine_server_is_migratable() -> None:
