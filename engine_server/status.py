@@ -21,7 +21,7 @@ from typing import TypeVar
 import grpc
 
 from engine_contract.retry import LIMIT_TRAILER
-from engine_server.errors import ServerError
+from engine_server.errors import ServerError, clip
 from engine_server.handlers import Undecodable
 from engine_server.metrics import ABORT_CLIENT_CANCEL, RpcCounter
 
@@ -38,7 +38,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
             context.set_trailing_metadata(((LIMIT_TRAILER, exc.limit),))
         await context.abort(exc.code, str(exc))
     log.error("%s failed unexpectedly", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {clip(exc, 512)}")
 
 
 def rpc(
