@@ -453,9 +453,10 @@ class RefitControl:
         mode = PAUSE_MODES.get(request.mode)
         if mode is None:
             raise InvalidRequest("mode", f"unknown PauseMode value {request.mode}")
-        if not self._backend.rl_capabilities().sleep:
-            name = type(self._backend).__name__
-            raise RefitRefused(f"sleep mode is not supported by the {name} engine")
+        try:
+            self._backend.check_sleep()
+        except RefitUnsupported as e:
+            raise _unsupported(e) from e
         async with self._lock:
             if self.sleeping:
                 return

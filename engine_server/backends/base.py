@@ -258,6 +258,12 @@ class EngineBackend(ABC):
     def _unsupported(self, what: str) -> RefitUnsupported:
         return RefitUnsupported(f"{what} is not supported by the {type(self).__name__} engine")
 
+    def check_sleep(self) -> None:
+        """Raise RefitUnsupported, saying why, when this engine cannot sleep:
+        checked before anything changes, so a refused sleep holds no request."""
+        if not self.rl_capabilities().sleep:
+            raise self._unsupported("sleep mode")
+
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """Stop generating. ABORT: end every request with finish reason ABORTED
         now; WAIT: return once none runs; KEEP: freeze them until ``resume``."""

@@ -78,6 +78,22 @@ def run(stub: pb_grpc.EngineServiceStub, vocab: int) -> Outputs:
     return out
 
 
+def cached_and_versions(stub: pb_grpc.EngineServiceStub, prompt: list[int]) -> tuple[int, list]:
+    """One greedy rollout of ``prompt``: its prompt tokens served from the prefix
+    cache, and its weight-version spans as (version, start, end)."""
+    answer = stub.Rollout(
+        pb.RolloutRequest(
+            request_id=f"cache-{random.random()}",
+            prompt_token_ids=prompt,
+            greedy=True,
+            max_new_tokens=8,
+        ),
+        timeout=60,
+    )
+    spans = [(s.version, s.start, s.end) for s in answer.weight_versions]
+    return answer.usage.cached_prompt_tokens, spans
+
+
 def same(got: Outputs, expected: Outputs) -> None:
     for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(
         zip(got, expected, strict=True)
@@ -98,6 +114,12 @@ def test_refit_to_b_serves_what_a_fresh_engine_on_b_serves(servers: tuple[str, s
         reference = run(b, info.vocab_size)
         assert before != reference  # A and B really differ
 
+        # A prompt of three full blocks, cached on A's weights: a second rollout hits.
+        long_prompt = [3 + (i * 7) % (info.vocab_size - 3) for i in range(100)]
+        cached_and_versions(a, long_prompt)
+        hit, _ = cached_and_versions(a, long_prompt)
+        assert hit >= 64, hit
+
         a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
         answer = a.UpdateWeightsFromTensors(
             update_requests(checkpoint_tensors(weights_b), weight_version="b-streamed"),
@@ -105,6 +127,9 @@ def test_refit_to_b_serves_what_a_fresh_engine_on_b_serves(servers: tuple[str, s
         )
         assert answer.result.cache_cleared and answer.result.weight_version == "b-streamed"
         a.ResumeGeneration(pb.ResumeGenerationRequest())
+        # Nothing computed with A's weights is reused, and B's tokens say so.
+        hit, spans = cached_and_versions(a, long_prompt)
+        assert hit == 0 and spans == [("b-streamed", 0, 8)], (hit, spans)
         same(run(a, info.vocab_size), reference)
 
         # Back to A from its folder: A's outputs again, exactly.
@@ -116,6 +141,7 @@ def test_refit_to_b_serves_what_a_fresh_engine_on_b_serves(servers: tuple[str, s
             timeout=120,
         )
         a.ResumeGeneration(pb.ResumeGenerationRequest())
+        assert cached_and_versions(a, long_prompt) == (0, [("a", 0, 8)])
         assert run(a, info.vocab_size) == before
 
         # And to B from its folder.
@@ -123,3 +149,15 @@ def test_refit_to_b_serves_what_a_fresh_engine_on_b_serves(servers: tuple[str, s
         a.UpdateWeightsFromPath(pb.UpdateWeightsFromPathRequest(path=str(weights_b)), timeout=120)
         a.ResumeGeneration(pb.ResumeGenerationRequest())
         assert run(a, info.vocab_size) == reference
+
+
+def test_sleep_on_the_cpu_build_says_why_not(servers: tuple[str, str]) -> None:
+    with grpc.insecure_channel(servers[0]) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        if stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).rl_capabilities.sleep:
+            pytest.skip("this vLLM engine was started with sleep mode")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Sleep(pb.SleepRequest(level=1), timeout=30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--enable-sleep-mode" in e.value.details(), e.value.details()
+        assert not stub.IsSleeping(pb.IsSleepingRequest(), timeout=30).sleeping

@@ -467,19 +467,19 @@ class VllmBackend(EngineBackend):
     async def set_weight_version(self, version: str) -> None:
         await self.engine.update_weight_version(version)
 
-    def _sleep_configured(self) -> None:
+    def check_sleep(self) -> None:
         if not self.rl_capabilities().sleep:
             raise self._unsupported(
                 "sleep mode (start vLLM with --enable-sleep-mode; the CPU build has none)"
             )
 
     async def sleep(self, level: int, mode: PauseMode) -> None:
-        self._sleep_configured()
+        self.check_sleep()
         await self.engine.sleep(level=level, mode=mode.value)
         self._cleared()
 
     async def wake_up(self, tags: Sequence[str]) -> bool:
-        self._sleep_configured()
+        self.check_sleep()
         return bool(await self.engine.wake_up(list(tags) or None))
 
     async def check_health(self) -> None:
