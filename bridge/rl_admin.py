@@ -88,6 +88,16 @@ def _version(value: Any) -> str:
     return json.dumps(value)
 
 
+def _updated(body: Body) -> Body:
+    """A successful update's answer, as dynamo.vllm gives it: the version the body
+    declared (as sent), or "unknown" when it declared none (the label is kept)."""
+    return {
+        "status": "ok",
+        "version": body.get("weight_version", "unknown"),
+        "version_declared": "weight_version" in body,
+    }
+
+
 def _bool(body: Body, key: str, default: bool) -> bool:
     value = body.get(key, default)
     if not isinstance(value, bool):
@@ -213,6 +223,9 @@ class RlAdmin:
 
     @_route
     async def update_weights_from_disk(self, body: Body) -> Body:
+        # dynamo.vllm's order: "not paused" before anything about the body.
+        if not await self._paused():
+            raise RouteError(NOT_PAUSED)
         path = body.get("model_path")
         if not path:
             raise RouteError("Missing 'model_path' in body")
@@ -230,7 +243,7 @@ class RlAdmin:
         await self._update(
             "UpdateWeightsFromPath", pb.UpdateWeightsFromPathRequest(path=path, options=options)
         )
-        return {"status": "ok", **await self._version_state()}
+        return _updated(body)
 
     @_route
     async def update_weights_from_distributed(self, body: Body) -> Body:
@@ -263,7 +276,7 @@ class RlAdmin:
             if version is not None:
                 finish.weight_version = version
             await self._rpc("FinishWeightUpdate", finish)
-        return {"status": "ok", **await self._version_state()}
+        return _updated(body)
 
     @_route
     async def update_weights_from_tensor(self, body: Body) -> Body:

@@ -165,7 +165,19 @@ def test_every_route_answers_as_dynamo_vllm(refit_stack: RefitStack) -> None:
     # Updates are refused unless paused, in dynamo.vllm's words.
     assert error(rs, "update_weights_from_disk", {"model_path": str(rs.weights_b)}) == NOT_PAUSED
     assert error(rs, "update_weights_from_distributed", {}) == NOT_PAUSED
-    assert error(rs, "update_weights_from_disk", {}) == "Missing 'model_path' in body"
+    ok(rs, "pause_generation", {"mode": "wait"})
+    try:
+        assert error(rs, "update_weights_from_disk", {}) == "Missing 'model_path' in body"
+        # No version declared: dynamo.vllm's "unknown", and the label is kept.
+        same = {"model_path": str(rs.stack.model_dir)}
+        assert ok(rs, "update_weights_from_disk", same) == {
+            "status": "ok",
+            "version": "unknown",
+            "version_declared": False,
+        }
+        assert ok(rs, "get_weight_version")["version_declared"] is False
+    finally:
+        ok(rs, "resume_generation")
     assert error(rs, "update_weights_from_distributed", {"allow_unpaused": "yes"}) == (
         "'allow_unpaused' must be a boolean"
     )
@@ -352,7 +364,8 @@ async def test_pause_abort_ends_32_rollouts_within_a_second(refit_stack: RefitSt
 
 async def test_pause_wait_returns_after_32_rollouts_finish(refit_stack: RefitStack) -> None:
     rs = refit_stack
-    version = ok(rs, "get_weight_version")["version"]
+    # The engine's label (the route answers null until a version was declared).
+    version = engine_load(rs).refit_state.weight_version
     tasks = await _in_flight(rs, 32, max_tokens=100)
     answer = await asyncio.to_thread(ok, rs, "pause_generation", {"mode": "wait"})
     try:
