@@ -28,6 +28,11 @@ TRANSPORTS = {
 }
 CONFIGS = (ONE_PROCESS, *TRANSPORTS)
 
+# The goals, shown next to what was measured: (b)/(a) throughput at c=64 by
+# transport, and the p50 latency the hop may add at c=1.
+GOAL_RPS_RATIO_C64 = {"grpc-tcp": 0.95, "grpc-unix": 1.0}
+GOAL_ADDED_P50_MS_C1 = 1.0
+
 
 @dataclass
 class FrontendRollouts:
@@ -87,6 +92,31 @@ class FrontendRollouts:
             rows,
         )
         errors = sum(r.errors for per in s.values() for r in per.values())
+        lines += ["", "Goals:", ""]
+        goals = []
+        for transport, goal in GOAL_RPS_RATIO_C64.items():
+            if 64 in s[transport] and 64 in s[ONE_PROCESS]:
+                ratio = s[transport][64].rps / s[ONE_PROCESS][64].rps
+                goals.append(
+                    [
+                        f"rps (b)/(a) at c=64, {TRANSPORTS[transport]}",
+                        f">= {goal:g}",
+                        f"{ratio:.2f}",
+                        "met" if ratio >= goal else "not met",
+                    ]
+                )
+        if 1 in s[ONE_PROCESS]:
+            for transport in GOAL_RPS_RATIO_C64:
+                added = s[transport][1].p50_ms - s[ONE_PROCESS][1].p50_ms
+                goals.append(
+                    [
+                        f"p50 added at c=1, {TRANSPORTS[transport]}",
+                        f"<= {GOAL_ADDED_P50_MS_C1:g} ms",
+                        f"{added:+.2f} ms",
+                        "met" if added <= GOAL_ADDED_P50_MS_C1 else "not met",
+                    ]
+                )
+        lines += table(["goal", "target", "measured", ""], "lrrl", goals)
         lines += [
             "",
             f"Failed requests (not counted above): {errors}.",

@@ -192,7 +192,12 @@ async def run(bench: Bench) -> Refit:
             str(64 << 20),
         ]
         proc, address = bench.group.engine_server("refit-vllm", *args, backend="vllm", timeout=300)
+        vllm_sock = bench.root / "refit-vllm.sock"
+        unix_proc, unix = bench.group.engine_server(
+            "refit-vllm-unix", *args, backend="vllm", listen=f"unix:{vllm_sock}", timeout=300
+        )
         tiny = (bench.model_dir, tiny_weights_dir(1))
-        rows.append(measure(bench, "tiny model, vLLM", {DISK: address, TCP: address}, tiny))
-        bench.stop(proc)
+        servers = {DISK: address, TCP: address, UNIX: unix}
+        rows.append(measure(bench, "tiny model, vLLM", servers, tiny))
+        bench.stop(proc, unix_proc)
     return Refit(rows)

@@ -168,7 +168,13 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
         woke = greedy(stub, prompts)
         expect([r[:2] for r in woke] == [r[:2] for r in after], "the same outputs after waking")
         client.shutdown_weight_transfer_engine()
-        expect(True, "ShutdownWeightTransferEngine")
+        # The transfer engine gone, the served weights and their version stay.
+        kept = greedy(stub, prompts)
+        expect(
+            [r[:2] for r in kept] == [r[:2] for r in after]
+            and all(r[2] == [("nccl-b", 0, len(r[0]))] for r in kept),
+            "after ShutdownWeightTransferEngine: the same outputs, still version nccl-b",
+        )
         client.close()
         channel.close()
     return failures
