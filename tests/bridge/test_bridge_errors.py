@@ -47,7 +47,8 @@ def test_exactly_the_retryable_codes_are_migrated(code: grpc.StatusCode) -> None
 
 # What Dynamo 1.6.1's frontend answers for each exception the bridge raises once
 # no migration is left (503: tests/e2e/test_e2e_refit.py's ABORT pause and
-# tests/faults/test_faults_capacity.py see it; 400 and 500 the e2e error tests).
+# tests/faults/test_faults_capacity.py see it; 400: the e2e bad-input tests; 500:
+# its answer for any other worker error).
 FRONTEND_STATUS = {Disconnected: 503, InvalidArgument: 400, Unknown: 500}
 
 
