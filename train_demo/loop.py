@@ -37,7 +37,7 @@ from bridge.refit import EngineRefitClient
 from engine_contract.tensors import Tensor
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from harness.engine import tiny_vllm_args
+from harness.engine import load, tiny_vllm_args
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
@@ -72,6 +72,8 @@ class StepStats:
     refit_s: float
     tokens: int
     engine_restarts: int
+    # Rollouts the engine server held when it was killed (the fault step only).
+    in_flight_at_kill: int = 0
     probe_tokens: list[int] = field(default_factory=list)
     probe_logprobs: list[float] = field(default_factory=list)
 
@@ -159,6 +161,18 @@ class PolicyStack:
         self.engine.wait_exit(30)
         self.restarts += 1
         self.start_engine()
+
+
+async def held_by_the_engine(address: str, rollouts: asyncio.Future[Any]) -> int:
+    """Once the engine server holds some of the step's rollouts, how many (0 when
+    the batch ended first): the moment to kill it mid-generation."""
+    deadline = time.monotonic() + 10
+    while not rollouts.done() and time.monotonic() < deadline:
+        held = (await asyncio.to_thread(load, address)).registered_requests
+        if held:
+            return held
+        await asyncio.sleep(0.01)
+    return 0
 
 
 class WeightKeeper:
@@ -270,8 +284,9 @@ async def run(
                 batch = [p for p in prompts for _ in range(task.group_size)]
                 started = time.monotonic()
                 rollouts = asyncio.ensure_future(generate(client, batch, task))
+                in_flight = 0
                 if step == config.fault_step:
-                    await asyncio.sleep(0.2)  # in flight
+                    in_flight = await held_by_the_engine(policy.listen, rollouts)
                     await asyncio.to_thread(policy.kill_and_restart)
                 results = await rollouts
                 generation_s = time.monotonic() - started
@@ -307,6 +322,7 @@ async def run(
                     refit_s=refit_s,
                     tokens=sum(len(g) for g in generations),
                     engine_restarts=policy.restarts,
+                    in_flight_at_kill=in_flight,
                     probe_tokens=probe.token_ids,
                     probe_logprobs=probe.logprobs,
                 )

@@ -28,6 +28,8 @@ async def test_a_short_grpo_run_stays_on_policy_through_a_crash(
     assert [s.step for s in steps] == [1, 2, 3, 4]
     assert all(s.error <= ERROR_GATE for s in steps), [s.error for s in steps]
     assert steps[-1].engine_restarts == 1  # killed at step 2, and the run went on
+    # Killed with rollouts in the engine: the driver retried them onto the restart.
+    assert steps[1].in_flight_at_kill > 0, steps[1]
     # Each step's weights changed what the engine serves (a greedy probe).
     probes = [(s.probe_tokens, s.probe_logprobs) for s in steps]
     assert all(a != b for a, b in itertools.pairwise(probes))
