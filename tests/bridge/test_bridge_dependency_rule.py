@@ -32,6 +32,9 @@ def test_bridge_imports_and_runs_without_vllm_or_torch() -> None:
     env = blocking_env("vllm", "torch")
     out = run(env, "-c", "import bridge.engine, bridge.__main__, bridge.driver; print('ok')")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    # The driver's batch output imports torch only when its caller asks for tensors.
+    out = run(env, "-c", "import bridge.batch; print('ok')")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     out = run(env, "-m", "bridge", "--help")
     assert out.returncode == 0, out.stderr
     assert "--engine" in out.stdout and "--discovery-backend" in out.stdout
