@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,6 +27,8 @@ class Cell:
     cpu_ms: dict[str, float] = field(default_factory=dict)
     # Time to the first token of each streamed request (when ``send`` reports it).
     ttfts_s: list[float] = field(default_factory=list, repr=False)
+    # Token-carrying events per streamed request, as the client saw them (when counted).
+    events_per_request: float = float("nan")
 
     @property
     def rps(self) -> float:
@@ -60,6 +63,8 @@ class Summary:
     rps_reps: list[float]
     # Median time to first token (streamed requests; NaN otherwise).
     ttft_p50_ms: float = float("nan")
+    # Median of the cells' token-carrying events per streamed request (NaN: not counted).
+    events_per_request: float = float("nan")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -135,4 +140,7 @@ def summarize(cells: Sequence[Cell]) -> Summary:
         ttft_p50_ms=median([c.ttft_p50_ms for c in cells if c.ttfts_s])
         if any(c.ttfts_s for c in cells)
         else float("nan"),
+        events_per_request=median(
+            [c.events_per_request for c in cells if not math.isnan(c.events_per_request)]
+        ),
     )

@@ -46,7 +46,7 @@ class Streaming:
         s = self.summaries
         lines = [
             "## 7. Streamed completions through Dynamo's frontend (sim engine, zero delay, "
-            f"{PROMPT_TOKENS}-token prompts, {GEN_TOKENS} tokens out, one SSE event per token)",
+            f"{PROMPT_TOKENS}-token prompts, {GEN_TOKENS} tokens out, streamed as they come)",
             "",
             "(a) = in-process Dynamo worker; (b) = bridge + engine server. Goals (issue 15): "
             f"rps (b)/(a) >= {GOAL_RPS_RATIO} at c=16 and c=64, TTFT p50 (b)/(a) <= "
@@ -101,7 +101,10 @@ class Streaming:
             "",
             f"Failed requests (not counted above): {errors}.",
             "",
-            "CPU milliseconds per streamed request, by process:",
+            "CPU milliseconds per streamed request, by process, and the SSE events that "
+            "carried each request's tokens (every process pays per event: the worker or "
+            "bridge hands Dynamo a chunk, the frontend frames it, the load generator parses "
+            "it; a process whose loop is saturated merges more tokens into each):",
             "",
         ]
         rows = []
@@ -118,21 +121,36 @@ class Streaming:
                         f"{cpu.get('engine', 0):.2f}",
                         f"{cpu.get('client', 0):.2f}",
                         f"{sum(cpu.values()):.2f}",
+                        fmt(s[name][c].events_per_request, 1),
                     ]
                 )
         lines += table(
-            ["conc", "config", "frontend", "worker / bridge", "engine server", "load", "total"],
-            "rlrrrrr",
+            [
+                "conc",
+                "config",
+                "frontend",
+                "worker / bridge",
+                "engine server",
+                "load",
+                "total",
+                "events / request",
+            ],
+            "rlrrrrrr",
             rows,
         )
         return "\n".join([*lines, ""])
 
 
 def stream_sender(
-    session: aiohttp.ClientSession, url: str, model: str, prompts: Sequence[list[int]]
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompts: Sequence[list[int]],
+    events: list[int] | None = None,
 ) -> Callable[[int], Awaitable[float]]:
     """``send(i)``: greedy streamed completion ``i``, read to its end; returns the
-    time to its first token. Anything but GEN_TOKENS tokens is an error."""
+    time to its first token, and appends to ``events`` how many events carried its
+    tokens. Anything but GEN_TOKENS tokens is an error."""
 
     async def send(i: int) -> float:
         body = {
@@ -146,6 +164,7 @@ def stream_sender(
         started = time.perf_counter()
         first: float | None = None
         completion = 0
+        carried = 0
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"{model}: HTTP {resp.status}: {await resp.text()}")
@@ -155,13 +174,17 @@ def stream_sender(
                 event = json.loads(raw[5:])
                 if "error" in event:
                     raise RuntimeError(f"{model}: {event['error']}")
-                if first is None and event.get("choices"):
-                    first = time.perf_counter() - started
+                if event.get("choices"):
+                    carried += 1
+                    if first is None:
+                        first = time.perf_counter() - started
                 usage = event.get("usage")
                 if usage:
                     completion = usage["completion_tokens"]
         if completion != GEN_TOKENS or first is None:
             raise RuntimeError(f"{model}: {completion} tokens streamed")
+        if events is not None:
+            events.append(carried)
         return first
 
     return send
@@ -171,10 +194,15 @@ def stream_config(
     bench: Bench, session: aiohttp.ClientSession, model: str, serving: Sequence[Proc]
 ) -> Config:
     url = f"{bench.start_frontend()}/v1/completions"
-    send = stream_sender(session, url, model, bench.prompts)
+    events: list[int] = []
+    send = stream_sender(session, url, model, bench.prompts, events)
 
     async def measure(concurrency: int, n: int) -> Cell:
-        return await closed_loop(model, send, concurrency, n)
+        events.clear()
+        cell = await closed_loop(model, send, concurrency, n)
+        if events:
+            cell.events_per_request = sum(events) / len(events)
+        return cell
 
     return Config(model, serving, measure)
 

@@ -126,6 +126,21 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     srv.add_argument(
+        "--delta-hold-ms",
+        type=float,
+        default=ServerConfig.delta_hold_ms,
+        help="on a Generates stream running --delta-hold-from completions or more, wait "
+        "this long after each write so tokens merge into fewer deltas; 0 disables "
+        "(default: %(default)s)",
+    )
+    srv.add_argument(
+        "--delta-hold-from",
+        type=int,
+        default=ServerConfig.delta_hold_from,
+        help="completions running on one Generates stream from which --delta-hold-ms "
+        "applies (default: %(default)s)",
+    )
+    srv.add_argument(
         "--start-paused",
         action="store_true",
         help="start with generation paused: requests wait until a trainer's weight "
@@ -252,6 +267,8 @@ def _server_config(
         ),
         grace_period_s=args.grace_period_s,
         stream_write_timeout_s=args.stream_write_timeout_s or None,
+        delta_hold_ms=args.delta_hold_ms,
+        delta_hold_from=args.delta_hold_from,
         start_paused=args.start_paused,
         metrics_port=args.metrics_port,
         kv_replay_batches=args.kv_replay_batches,

@@ -102,6 +102,13 @@ class ServerConfig:
     # also the longest a streamed weight update may go without its next message.
     # None: no bound.
     stream_write_timeout_s: float | None = 30.0
+    # Generates streams under load: once this many completions run on one stream,
+    # its writer waits delta_hold_ms after each write, so that a completion's tokens
+    # merge into fewer, larger deltas (fewer messages here, fewer chunks for every
+    # process downstream: bridge, Dynamo's frontend, the client). Below that, or
+    # at 0 ms, every write goes out at once. Rollouts streams never wait.
+    delta_hold_ms: float = 2.0
+    delta_hold_from: int = 16
     # Generation paused from the start (PauseGeneration WAIT): requests wait for
     # a trainer's update and ResumeGeneration.
     start_paused: bool = False
@@ -127,6 +134,12 @@ class ServerConfig:
             raise ValueError(
                 "stream write timeout must be > 0 s, or None for no watchdog, got "
                 f"{self.stream_write_timeout_s}"
+            )
+        if self.delta_hold_ms < 0:
+            raise ValueError(f"delta hold must be >= 0 ms, got {self.delta_hold_ms}")
+        if self.delta_hold_from < 1:
+            raise ValueError(
+                f"delta hold threshold must be >= 1 completion, got {self.delta_hold_from}"
             )
         for name in (
             "kv_replay_batches",

@@ -4,8 +4,12 @@ packed per message (``tagged_stream`` says how the stream is shared and bounded)
 Deltas of one completion that queue up while a write is in flight are merged
 into one (protobuf's MergeFrom concatenates tokens, logprobs and top logprobs
 and adds ``finished``), so a busy stream sends fewer, larger deltas, and the
-client yields fewer chunks, without holding any delta back: an idle stream
-writes each at once.
+client yields fewer chunks. Under load (``hold_from`` completions or more
+running on the stream) the writer also waits ``hold_s`` after each write, so
+more of each completion's tokens merge: every delta costs each process on its
+way (engine server, bridge, Dynamo's frontend, the client) about the same
+whatever it carries, and a stream this busy spends its CPU on deltas rather
+than tokens. A quieter stream writes each delta at once.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
         write_timeout_s: float | None,
         max_running: int = Limits.max_rollouts_per_stream,
         max_starts: int = Limits.max_starts_per_message,
+        hold_s: float = 0.0,
+        hold_from: int = 1,
     ) -> None:
         super().__init__(
             context,
@@ -51,6 +57,8 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
             max_starts=max_starts,
         )
         self._generate = generate
+        self._hold_s = hold_s
+        self._hold_from = hold_from
         # The delta of each completion still waiting for a write: later ones merge in.
         self._unsent: dict[int, Queued[pb.GenerateDelta]] = {}
         # A merged delta stops growing here (and a next one queues behind it).
@@ -71,6 +79,9 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
                 queued = Queued(tag, pb.GenerateDelta(tag=tag, response=message), size)
                 self._unsent[tag] = queued
                 self._queue(queued)
+
+    def _pause_after_write(self) -> float:
+        return self._hold_s if len(self._running) >= self._hold_from else 0.0
 
     def _taken(self, queued: Queued[pb.GenerateDelta]) -> None:
         if self._unsent.get(queued.tag) is queued:

@@ -62,7 +62,15 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         limits = self._stream_limits()
-        await self._serve(GenerateStream(self._core.generate, context, **limits), request_iterator)
+        config = self._core.config
+        stream = GenerateStream(
+            self._core.generate,
+            context,
+            hold_s=config.delta_hold_ms / 1000,
+            hold_from=config.delta_hold_from,
+            **limits,
+        )
+        await self._serve(stream, request_iterator)
 
     def _stream_limits(self) -> dict[str, Any]:
         """What bounds a multiplexed stream, from the server's config."""

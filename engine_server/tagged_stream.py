@@ -293,7 +293,9 @@ class TaggedStream(Generic[RequestT, ItemT]):
             self._wake.clear()
             while self._out:
                 await self._write(self._take_batch())
-                await asyncio.sleep(0)  # other calls between two large writes
+                # Other calls between two large writes (and, under load, time for
+                # answers to gather: ``_pause_after_write``).
+                await asyncio.sleep(self._pause_after_write())
             if reader.done() or self._closing:
                 if reader.done() and not reader.cancelled() and (exc := reader.exception()):
                     raise exc
@@ -317,6 +319,10 @@ class TaggedStream(Generic[RequestT, ItemT]):
             items.append(queued.item)
         self._per_message.observe(len(items))
         return message
+
+    def _pause_after_write(self) -> float:
+        """Seconds the writer waits after a write before taking the next batch."""
+        return 0.0
 
     def _taken(self, queued: Queued[ItemT]) -> None:
         """``queued`` is going out now (nothing may be merged into it any more)."""

@@ -31,12 +31,17 @@ def test_flags_reach_the_server_config() -> None:
         "4",
         "--stream-write-timeout-s",
         "0",
+        "--delta-hold-ms",
+        "0.5",
+        "--delta-hold-from",
+        "8",
     )
     assert cfg.listen == "unix:/tmp/e.sock"
     assert (cfg.defaults.temperature, cfg.defaults.top_p, cfg.defaults.top_k) == (0.7, 0.9, 50)
     assert cfg.defaults.max_new_tokens == 128 and cfg.defaults.stop_token_ids == (2, 7)
     assert cfg.grace_period_s == 3 and cfg.limits.max_stop_strings == 4
     assert cfg.stream_write_timeout_s is None and cfg.tls is None
+    assert (cfg.delta_hold_ms, cfg.delta_hold_from) == (0.5, 8)
 
 
 @pytest.mark.parametrize(
@@ -50,6 +55,8 @@ def test_flags_reach_the_server_config() -> None:
         (["--tls-cert", "c.pem"], "--tls-key"),
         (["--tls-client-ca", "ca.pem"], "--tls-client-ca"),
         (["--stream-write-timeout-s", "-1"], "--stream-write-timeout-s"),
+        (["--delta-hold-ms", "-1"], "delta hold must be >= 0 ms"),
+        (["--delta-hold-from", "0"], "delta hold threshold"),
     ],
 )
 def test_bad_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:

@@ -106,6 +106,46 @@ async def test_an_idle_stream_writes_each_delta_at_once() -> None:
     assert not any(d.response.HasField("finished") for d in ds[:-1])
 
 
+async def _paced(request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+    """Ten tokens 1 ms apart, then ``finished``."""
+    for i in range(10):
+        await asyncio.sleep(0.001)
+        yield pb.GenerateResponse(token_ids=[i])
+    yield pb.GenerateResponse(finished=pb.GenerateFinished(usage=pb.Usage(completion_tokens=10)))
+
+
+async def _held(completions: int, hold_from: int) -> list[list[pb.GenerateDelta]]:
+    ctx, requests = Context(), Requests()
+    tags = list(range(1, completions + 1))
+    requests.start(*tags, tokens=10)
+    requests.queue.put_nowait(None)
+    s = GenerateStream(
+        _paced,  # type: ignore[arg-type]
+        ctx,  # type: ignore[arg-type]
+        max_message_bytes=1 << 20,
+        write_timeout_s=None,
+        hold_s=0.02,
+        hold_from=hold_from,
+    )
+    await asyncio.wait_for(s.serve(requests), 5)
+    return [ctx.deltas(tag) for tag in tags]
+
+
+async def test_a_busy_stream_holds_writes_so_tokens_merge() -> None:
+    """hold_from completions running: the writer waits hold_s after each write, so
+    the tokens made meanwhile go out merged (all of them, in order, and finished last)."""
+    for ds in await _held(completions=4, hold_from=4):
+        assert tokens(ds) == list(range(10))
+        assert len(ds) <= 3  # the first token alone, then ~20 ms of tokens per delta
+        assert ds[-1].response.finished.usage.completion_tokens == 10
+
+
+async def test_a_stream_below_the_hold_threshold_writes_at_once() -> None:
+    for ds in await _held(completions=3, hold_from=4):
+        assert tokens(ds) == list(range(10))
+        assert len(ds) >= 8  # tokens 1 ms apart, each written as it came
+
+
 async def test_deltas_queued_behind_a_slow_write_are_merged_per_completion() -> None:
     ctx, requests = Context(), Requests()
     ctx.gate.clear()
