@@ -108,7 +108,7 @@ class ServerConfig:
     # process downstream: bridge, Dynamo's frontend, the client). Below that, or
     # at 0 ms, every write goes out at once. Rollouts streams never wait.
     delta_hold_ms: float = 2.0
-    delta_hold_from: int = 16
+    delta_hold_from: int = 8
     # Generation paused from the start (PauseGeneration WAIT): requests wait for
     # a trainer's update and ResumeGeneration.
     start_paused: bool = False
