@@ -70,6 +70,10 @@ class ClientOptions:
     abort_timeout_s: float = 5.0
     # TLS to the engine server (None: plaintext, for loopback and unix sockets).
     tls: TlsOptions | None = None
+    # Pace streamed completions (servers of contract revision 6 on): the engine
+    # server sends a completion's next delta once the bridge has handed the last
+    # to Dynamo, so each carries what came meanwhile. False: every delta as it comes.
+    paced_generates: bool = True
 
     def channel_options(self) -> list[tuple[str, int | str]]:
         tls = self.tls.channel_options() if self.tls else []
@@ -125,9 +129,19 @@ class EngineClient:
             lambda: self._stub.Generates(wait_for_ready=False), self.options.max_message_bytes
         )
 
+    @property
+    def paced_generates(self) -> bool:
+        """Whether completions started from now on are paced (revision 6)."""
+        return self._generates.paced
+
     def use_server_limits(self, info: pb.GetServerInfoResponse) -> None:
         """Keep the rollouts and completions streams within the server's announced
-        limits: message size, starts per message, requests on a stream (revision 3)."""
+        limits: message size, starts per message, requests on a stream (revision 3);
+        pace completions when the server can (revision 6, ``paced_generates``)."""
+        self._generates.paced = (
+            self.options.paced_generates
+            and info.contract_revision >= engine_contract.PACED_GENERATES_REVISION
+        )
         limits = info.limits
         for mux in (self._rollouts, self._generates):
             if limits.max_message_bytes > 0:

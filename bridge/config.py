@@ -254,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_argument(
         g,
+        flag_name="--generate-pacing",
+        env_var="BRIDGE_GENERATE_PACING",
+        default="on",
+        choices=["on", "off"],
+        help="On a Generates stream, 'on' has the engine server send a completion's "
+        "next delta once the bridge has handed the last to Dynamo, so each delta "
+        "carries the tokens made meanwhile (fewer, larger deltas: less CPU per "
+        "token in every process on the way); 'off' sends every delta as it comes. "
+        "Needs an engine server of contract revision 6 or later (older ones stream "
+        "unpaced).",
+    )
+    add_argument(
+        g,
         flag_name="--kv-max-delay-ms",
         env_var="BRIDGE_KV_MAX_DELAY_MS",
         default=2,
@@ -407,6 +420,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
             control_timeout_s=args.control_timeout,
             abort_timeout_s=args.abort_timeout,
             tls=tls,
+            paced_generates=args.generate_pacing == "on",
         ),
         log_level=args.log_level.upper(),
         kv_events=not args.disable_kv_events,

@@ -175,7 +175,7 @@ class BridgeEngine(LLMEngine):
             ec.context_length,
             ec.kv_block_size,
             "multiplexed on a stream" if self._stream_rollouts else "one call each",
-            "multiplexed on a stream" if self._stream_generates else "one call each",
+            self._generates_transport(),
         )
         log.info("registering endpoint types %s: %s", cfg.endpoint_types, cfg.endpoint_types_reason)
         return EngineConfig(
@@ -191,6 +191,14 @@ class BridgeEngine(LLMEngine):
                 data_parallel_start_rank=ec.data_parallel_start_rank,
             ),
         )
+
+    def _generates_transport(self) -> str:
+        """How completions travel, for the log."""
+        if not self._stream_generates:
+            return "one call each"
+        client = self._client
+        paced = client is not None and client.paced_generates
+        return "multiplexed on a stream" + (", paced" if paced else "")
 
     def _choose_rollout_transport(self, info: pb.GetServerInfoResponse) -> bool:
         """True to stream rollouts; refuses a server too old for a required stream."""
@@ -323,7 +331,7 @@ class BridgeEngine(LLMEngine):
             info.backend_version,
             info.contract_revision,
             "multiplexed on a stream" if self._stream_rollouts else "one call each",
-            "multiplexed on a stream" if self._stream_generates else "one call each",
+            self._generates_transport(),
         )
         watch = self._watch
         if was_unservable and (watch is None or watch.serving):

@@ -6,7 +6,9 @@ one carries ``finished``); a failure raises the ``grpc.aio.AioRpcError`` the
 call would have raised; ``cancel()`` it and the engine request is aborted
 (iterating then raises CancelledError). Deltas that arrived while the consumer
 was busy are handed over merged into one, so a slow consumer yields fewer,
-larger chunks instead of falling further behind.
+larger chunks instead of falling further behind. On a paced stream (contract
+revision 6) each delta handed over is reported taken, which lets the server
+send the next: the consumer's pace sets how many tokens each delta carries.
 """
 
 from __future__ import annotations
@@ -20,21 +22,32 @@ import grpc
 from bridge.tagged_mux import MuxStream, OpenStream, StreamKind, TaggedMux, result_error
 from engine_contract.v1 import engine_pb2 as pb
 
-GENERATES = StreamKind("completion", pb.GeneratesRequest, "generate", "deltas")
+GENERATES = StreamKind(
+    "completion",
+    pb.GeneratesRequest,
+    "generate",
+    "deltas",
+    paced_field="paced",
+    taken_field="taken",
+)
 
 
 class PendingGenerate:
     """A completion started on the stream; like a Generate call object."""
 
-    __slots__ = ("_deltas", "_ended", "_error", "_on_cancel", "_waiter")
+    __slots__ = ("_deltas", "_ended", "_error", "_on_cancel", "_on_taken", "_waiter")
 
-    def __init__(self, on_cancel: Callable[[], None]) -> None:
+    def __init__(
+        self, on_cancel: Callable[[], None], on_taken: Callable[[], None] | None = None
+    ) -> None:
         self._deltas: collections.deque[pb.GenerateResponse] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         # The last delta arrived (finished or failed), or the caller cancelled.
         self._ended = False
         self._error: BaseException | None = None
         self._on_cancel = on_cancel
+        # Called for each delta handed over before the last (paced streams).
+        self._on_taken = on_taken
 
     def __aiter__(self) -> PendingGenerate:
         return self
@@ -54,6 +67,8 @@ class PendingGenerate:
         delta = deltas.popleft()
         while deltas:  # arrived while the caller was busy: one chunk for all
             delta.MergeFrom(deltas.popleft())
+        if not self._ended and self._on_taken is not None:
+            self._on_taken()
         return delta
 
     def _wake(self) -> None:
@@ -109,4 +124,5 @@ class GenerateMux(TaggedMux[PendingGenerate]):
 
 
 def _pending_generate(stream: MuxStream[PendingGenerate], tag: int) -> PendingGenerate:
-    return PendingGenerate(lambda: stream.cancelled(tag))
+    taken = (lambda: stream.taken(tag)) if stream.paced else None
+    return PendingGenerate(lambda: stream.cancelled(tag), taken)

@@ -92,18 +92,30 @@ class StreamKind:
     items_field: str
     # The server's limit on one stream, as it names it.
     running_limit: str = "max_rollouts_per_stream"
+    # Paced requests (revision 6): the start's flag asking for it, and the request
+    # message's field naming the tags whose last answer was taken ("": never paced).
+    paced_field: str = ""
+    taken_field: str = ""
 
 
 class MuxStream(Generic[P]):
     """One call and the requests waiting on it."""
 
     def __init__(
-        self, kind: StreamKind, call: Any, max_message_bytes: int, limits: StreamLimits
+        self,
+        kind: StreamKind,
+        call: Any,
+        max_message_bytes: int,
+        limits: StreamLimits,
+        paced: bool = False,
     ) -> None:
         self.kind = kind
         self.call = call
         self._limit = max_message_bytes
         self._limits = limits
+        self.paced = paced and bool(kind.paced_field)
+        # Tags whose last answer the caller took, to tell the server (paced streams).
+        self._takens: list[int] = []
         self.pending: dict[int, P] = {}
         # Sent and not finished (nor cancelled): what the server holds for us.
         self._sent: set[int] = set()
@@ -158,6 +170,13 @@ class MuxStream(Generic[P]):
         self._cancels.append(tag)
         self._wake.set()
 
+    def taken(self, tag: int) -> None:
+        """The caller took the last answer of the paced request under ``tag``: the
+        server may send its next."""
+        if self.paced and tag in self.pending and not self.dead:
+            self._takens.append(tag)
+            self._wake.set()
+
     async def _write_loop(self) -> None:
         try:
             while True:
@@ -166,7 +185,7 @@ class MuxStream(Generic[P]):
                 # turn join the message (no timer: an idle stream writes at once).
                 await asyncio.sleep(0)
                 self._wake.clear()
-                while self._cancels or (self._starts and self._room()):
+                while self._cancels or self._takens or (self._starts and self._room()):
                     await self.call.write(self._take_batch())
         except asyncio.CancelledError:
             raise
@@ -190,6 +209,10 @@ class MuxStream(Generic[P]):
         message = self.kind.request_type(cancel=self._cancels)
         self._cancels = []
         total = len(message.cancel) * 11
+        if self._takens:
+            getattr(message, self.kind.taken_field).extend(self._takens)
+            total += len(self._takens) * 11
+            self._takens = []
         n, room = 0, self._room()
         for size, _, _, _ in self._starts[:room]:
             if n and total + size > self._limit:
@@ -199,8 +222,9 @@ class MuxStream(Generic[P]):
         batch, self._starts = self._starts[:n], self._starts[n:]
         add = message.start.add
         field = self.kind.payload_field
+        paced = {self.kind.paced_field: True} if self.paced else {}
         for _, tag, request, trace in batch:
-            add(tag=tag, trace_context=trace, **{field: request})
+            add(tag=tag, trace_context=trace, **{field: request}, **paced)
             self._sent.add(tag)
         if batch:
             self._sent_per_message.observe(len(batch))
@@ -274,6 +298,8 @@ class TaggedMux(Generic[P]):
         self._open = open_stream
         self.max_message_bytes = max_message_bytes
         self.limits = StreamLimits()
+        # Start requests paced (streams opened from now on; the server must serve it).
+        self.paced = False
         self._stream: MuxStream[P] | None = None
         self._next_tag = 1
         self._closed = False
@@ -291,7 +317,7 @@ class TaggedMux(Generic[P]):
         stream = self._stream
         if stream is None or stream.dead:
             stream = self._stream = MuxStream(
-                self.kind, self._open(), self.max_message_bytes, self.limits
+                self.kind, self._open(), self.max_message_bytes, self.limits, self.paced
             )
         tag = self._next_tag
         self._next_tag += 1

@@ -26,7 +26,11 @@ this file and ``v1/__init__.py`` are written by hand.
 #      (trace_context: traceparent, tracestate), as a unary call's metadata
 #      does; an entry over the bound (``engine_contract.trace``) is dropped,
 #      never refused.
-CONTRACT_REVISION = 5
+#   6  Paced Generates: a completion started with GenerateStart.paced gets its
+#      next delta only after the client names it in GeneratesRequest.taken, so
+#      the client's pace sets how coarse the deltas are (an older server ignores
+#      both fields and sends deltas as they come).
+CONTRACT_REVISION = 6
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout
@@ -35,6 +39,8 @@ ROLLOUTS_STREAM_REVISION = 2
 # The first server revision that serves Generates (clients fall back to Generate
 # calls on older servers).
 GENERATES_STREAM_REVISION = 4
+# The first server revision that paces Generates deltas (GenerateStart.paced).
+PACED_GENERATES_REVISION = 6
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
@@ -43,6 +49,7 @@ __all__ = [
     "GENERATES_STREAM_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",
+    "PACED_GENERATES_REVISION",
     "ROLLOUTS_STREAM_REVISION",
     "SERVICE_NAME",
 ]

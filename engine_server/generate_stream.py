@@ -10,12 +10,22 @@ more of each completion's tokens merge: every delta costs each process on its
 way (engine server, bridge, Dynamo's frontend, the client) about the same
 whatever it carries, and a stream this busy spends its CPU on deltas rather
 than tokens. A quieter stream writes each delta at once.
+
+A completion started ``paced`` (revision 6) has at most one delta on its way:
+once one is written, no more of its output is taken from the engine until the
+client names its tag in ``taken``. The engine runs on meanwhile and merges what
+it makes (vLLM's delta output collector, the sim's drain), so the deltas are as
+coarse as the client's own pace needs, as in a one-process worker whose engine
+and server share a loop, and a stream whose client keeps up still gets every
+token at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import grpc
 
@@ -63,10 +73,41 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
         self._unsent: dict[int, Queued[pb.GenerateDelta]] = {}
         # A merged delta stops growing here (and a next one queues behind it).
         self._merge_limit = self._limit // 2
+        # Paced completions: set while the client has taken their last delta
+        # written (a next one may go), clear while it is on its way.
+        self._pacers: dict[int, asyncio.Event] = {}
+
+    def _on_message(self, message: Any) -> None:
+        pacers = self._pacers
+        for tag in message.taken:
+            pacer = pacers.get(tag)
+            if pacer is not None:
+                pacer.set()
+
+    def _start_one(self, start: Any) -> None:
+        tag = start.tag
+        new = tag not in self._running
+        super()._start_one(start)
+        if start.paced and new and tag in self._running:
+            pacer = self._pacers[tag] = asyncio.Event()
+            pacer.set()
+
+    def _finished(self, tag: int, task: asyncio.Task[pb.GenerateDelta | None]) -> None:
+        self._pacers.pop(tag, None)
+        super()._finished(tag, task)
 
     async def _answer(self, tag: int, request: pb.GenerateRequest) -> None:
+        pacer = self._pacers.get(tag)
         async with contextlib.aclosing(self._generate(request)) as messages:
-            async for message in messages:
+            while True:
+                if pacer is not None:
+                    # Not a token taken from the engine while the client has not
+                    # taken the last delta: whatever comes meanwhile merges there.
+                    await pacer.wait()
+                try:
+                    message = await anext(messages)
+                except StopAsyncIteration:
+                    return
                 size = message.ByteSize()
                 unsent = self._unsent.get(tag)
                 if unsent is not None and unsent.size + size <= self._merge_limit:
@@ -76,6 +117,9 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
                 if size > self._limit:
                     self._emit(tag, pb.GenerateDelta(tag=tag, response=message))  # an error
                     return
+                if pacer is not None:
+                    # Pulled while the last delta was being written: it waits for its take.
+                    await pacer.wait()
                 queued = Queued(tag, pb.GenerateDelta(tag=tag, response=message), size)
                 self._unsent[tag] = queued
                 self._queue(queued)
@@ -84,8 +128,12 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
         return self._hold_s if len(self._running) >= self._hold_from else 0.0
 
     def _taken(self, queued: Queued[pb.GenerateDelta]) -> None:
-        if self._unsent.get(queued.tag) is queued:
-            del self._unsent[queued.tag]
+        tag = queued.tag
+        if self._unsent.get(tag) is queued:
+            del self._unsent[tag]
+        pacer = self._pacers.get(tag)
+        if pacer is not None:
+            pacer.clear()  # on its way: the next waits for the client's take
 
     def _emit(self, tag: int, item: pb.GenerateDelta) -> None:
         self._unsent.pop(tag, None)  # an error ends the completion: nothing merges after it

@@ -164,6 +164,7 @@ class TaggedStream(Generic[RequestT, ItemT]):
                 return
             if isinstance(message, Undecodable):  # which requests it meant is unknowable
                 raise InvalidRequest(self.request_name, str(message))
+            self._on_message(message)
             starts, cancels = message.start, message.cancel
             # Cancels of requests already running first: a client at its
             # max_rollouts_per_stream cancels some and starts others in one message.
@@ -173,8 +174,7 @@ class TaggedStream(Generic[RequestT, ItemT]):
                 if first:
                     await asyncio.sleep(0)
                 for index in range(first, min(first + _STARTS_PER_SLICE, taken)):
-                    start = starts[index]
-                    self._start(start.tag, getattr(start, self.payload_field), start.trace_context)
+                    self._start_one(starts[index])
             if taken < len(starts):
                 await self._refuse_excess(starts, taken)
             for tag in later:  # started by this very message
@@ -210,6 +210,12 @@ class TaggedStream(Generic[RequestT, ItemT]):
                 self._out.append(Queued(tag, item(tag=tag, error=error), size))
             self._wake.set()
             await asyncio.sleep(0)
+
+    def _on_message(self, message: Any) -> None:
+        """A request message arrived (before its starts and cancels are handled)."""
+
+    def _start_one(self, start: Any) -> None:
+        self._start(start.tag, getattr(start, self.payload_field), start.trace_context)
 
     def _start(self, tag: int, request: RequestT, trace: Mapping[str, str]) -> None:
         if tag in self._running:

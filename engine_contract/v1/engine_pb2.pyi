@@ -432,15 +432,17 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
 class GeneratesRequest(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("start", "cancel", "taken")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     start: _containers.RepeatedCompositeFieldContainer[GenerateStart]
     cancel: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[_Iterable[_Union[GenerateStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+    taken: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[_Union[GenerateStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., taken: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStart(_message.Message):
-    __slots__ = ("tag", "generate", "trace_context")
+    __slots__ = ("tag", "generate", "trace_context", "paced")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -451,10 +453,12 @@ class GenerateStart(_message.Message):
     TAG_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PACED_FIELD_NUMBER: _ClassVar[int]
     tag: int
     generate: GenerateRequest
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, tag: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    paced: bool
+    def __init__(self, tag: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., paced: _Optional[bool] = ...) -> None: ...
 
 class GeneratesResponse(_message.Message):
     __slots__ = ("deltas",)

@@ -227,6 +227,9 @@ class EngineServiceServicer:
         never holds one back. Cancel by tag, half-close, the stream write timeout
         (ABORTED), shutdown (UNAVAILABLE) and the admission limits
         (max_rollouts_per_stream, max_starts_per_message) behave as on Rollouts.
+        Revision 6: a completion started `paced` gets its next delta only once the
+        client has named it in `taken`, so deltas come as fast as the client takes
+        them and no faster; the engine runs on meanwhile and its tokens merge.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -54,6 +54,7 @@ def test_cli_maps_to_bridge_and_worker_config(model_dir: Path) -> None:
     )
     assert worker.model_name == str(model_dir) and worker.served_model_name == "tiny"
     assert worker.enable_kv_routing
+    assert bridge.client.paced_generates  # the default
 
 
 def test_dynamo_environment_variables_honoured(
@@ -64,10 +65,12 @@ def test_dynamo_environment_variables_honoured(
     monkeypatch.setenv("DYN_EVENT_PLANE", "zmq")
     monkeypatch.setenv("DYN_NAMESPACE", "envns")
     monkeypatch.setenv("BRIDGE_ENGINE_ADDRESS", "unix:/tmp/x.sock")
+    monkeypatch.setenv("BRIDGE_GENERATE_PACING", "off")
     bridge, worker = parse_args(
         ["--model-path", str(model_dir), "--disable-kv-events", "--endpoint", "dyn://a.b.c"]
     )
     assert bridge.engine_address == "unix:/tmp/x.sock" and not bridge.kv_events
+    assert not bridge.client.paced_generates
     assert (worker.discovery_backend, worker.request_plane, worker.event_plane) == (
         "file",
         "tcp",
@@ -98,6 +101,9 @@ def test_bad_cli_refused(model_dir: Path, tmp_path: Path, capsys: pytest.Capture
         parse_args(
             ["--engine", "h:1", "--model-path", str(model_dir), "--discovery-backend", "zookeeper"]
         )
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "h:1", "--model-path", str(model_dir), "--generate-pacing", "1"])
+    assert "--generate-pacing" in capsys.readouterr().err
 
 
 def test_bridge_logger_survives_dynamo_logging_takeover(

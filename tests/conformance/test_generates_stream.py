@@ -158,3 +158,63 @@ async def test_ending_the_stream_aborts_its_completions(stub, server_info) -> No
     await wait_load_async(stub, lambda load: load.registered_requests >= 6)
     call.cancel()
     await wait_load_async(stub, idle, 1.0, "engine idle 1 s after the stream ended")
+
+
+async def test_a_paced_completion_waits_to_be_taken_and_loses_nothing(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+    """Revision 6: after a paced completion's delta, the next comes only once the
+    client names the tag in ``taken``; the deltas still add up to Generate's."""
+    if server_info.contract_revision < engine_contract.PACED_GENERATES_REVISION:
+        pytest.skip(f"contract revision {server_info.contract_revision} does not pace")
+    requests = {tag: greedy(server_info, seed=20 + tag) for tag in (1, 2, 3)}
+    call = stub.Generates()
+    await call.write(
+        pb.GeneratesRequest(
+            start=[pb.GenerateStart(tag=t, generate=r, paced=True) for t, r in requests.items()]
+        )
+    )
+    results = {tag: StreamResult() for tag in requests}
+    untaken: set[int] = set()
+    finished: set[int] = set()
+
+    def take(message: pb.GeneratesResponse) -> None:
+        for delta in message.deltas:
+            tag = delta.tag
+            assert delta.WhichOneof("outcome") == "response", delta.error.message
+            assert tag not in untaken, f"a second delta for tag {tag} before the first was taken"
+            response = delta.response
+            result = results[tag]
+            result.messages.append(response)
+            result.token_ids.extend(response.token_ids)
+            result.logprobs.extend(response.logprobs)
+            result.top_logprobs.extend(response.top_logprobs)
+            (finished if response.HasField("finished") else untaken).add(tag)
+
+    while untaken | finished != set(requests):  # every completion's first delta
+        take(await asyncio.wait_for(call.read(), 30))
+    # Not taken for a while: nothing more comes, though the engine runs on.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(reading := asyncio.ensure_future(call.read())), 0.5)
+    assert untaken, "every completion finished in its first delta: nothing was paced"
+    await call.write(pb.GeneratesRequest(taken=sorted(untaken)))
+    untaken.clear()
+    message = await asyncio.wait_for(reading, 30)
+    while True:
+        take(message)
+        if finished == set(requests):
+            break
+        if untaken:
+            await call.write(pb.GeneratesRequest(taken=sorted(untaken)))
+            untaken.clear()
+        message = await asyncio.wait_for(call.read(), 30)
+    await call.done_writing()
+    assert await asyncio.wait_for(call.read(), 10) == grpc.aio.EOF
+    for tag, request in requests.items():
+        request.request_id = new_id("gs-paced-unary")
+        unary = await collect(stub, request)
+        paced = results[tag]
+        assert paced.token_ids == unary.token_ids and len(paced.token_ids) == 20
+        assert paced.logprobs == unary.logprobs
+        assert paced.top_logprobs == unary.top_logprobs
+        assert paced.finished.finish_reason == unary.finished.finish_reason
+        assert paced.finished.usage.completion_tokens == 20
+        assert not any(m.HasField("finished") for m in paced.messages[:-1])

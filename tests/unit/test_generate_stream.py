@@ -208,3 +208,109 @@ async def test_a_delta_over_the_message_limit_fails_its_completion() -> None:
     ds = ctx.deltas(1)
     assert ds[-1].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert all(m.ByteSize() <= 4096 for m in ctx.written)
+
+
+class RunAhead:
+    """An engine that generates whether or not its output is read: one token every
+    ``every_s``, what was not read yet merged into the next read (as vLLM's delta
+    output collector does), and how many reads it answered."""
+
+    def __init__(self, n: int, every_s: float = 0.001) -> None:
+        self.n, self.every_s = n, every_s
+        self.reads = 0
+
+    async def __call__(
+        self, request: pb.GenerateRequest
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        sent = 0
+        while sent < self.n:
+            made = min(self.n, int((loop.time() - began) / self.every_s) + 1)
+            if made <= sent:
+                await asyncio.sleep(self.every_s)
+                continue
+            self.reads += 1
+            out = pb.GenerateResponse(
+                token_ids=range(sent, made), logprobs=[-i for i in range(sent, made)]
+            )
+            sent = made
+            if sent == self.n:
+                out.finished.usage.completion_tokens = self.n
+            yield out
+            await asyncio.sleep(0)
+
+
+def paced_start(tag: int, paced: bool = True) -> pb.GeneratesRequest:
+    return pb.GeneratesRequest(
+        start=[
+            pb.GenerateStart(
+                tag=tag, paced=paced, generate=pb.GenerateRequest(request_id=f"p{tag}")
+            )
+        ]
+    )
+
+
+async def test_a_paced_completion_gets_its_next_delta_once_the_last_is_taken() -> None:
+    """No delta follows one the client has not taken; what the engine made meanwhile
+    comes merged into the next, every token in order and ``finished`` last."""
+    engine = RunAhead(n=40)
+    ctx, requests = Context(), Requests()
+    requests.queue.put_nowait(paced_start(1))
+    serving = asyncio.ensure_future(stream_of(engine, ctx).serve(requests))
+    taken = 0
+    for _ in range(200):
+        await asyncio.sleep(0.02)  # a slow client: 20 ms per delta, the engine 1 ms per token
+        ds = ctx.deltas(1)
+        assert len(ds) == taken + 1 or ds[-1].response.HasField("finished"), (
+            f"{len(ds)} deltas written, {taken} taken"
+        )
+        if ds[-1].response.HasField("finished"):
+            break
+        taken += 1
+        requests.queue.put_nowait(pb.GeneratesRequest(taken=[1, 99]))  # 99: no such tag
+    requests.queue.put_nowait(None)
+    await asyncio.wait_for(serving, 5)
+    ds = ctx.deltas(1)
+    assert tokens(ds) == list(range(40))
+    assert [lp for d in ds for lp in d.response.logprobs] == [-float(i) for i in range(40)]
+    assert ds[-1].response.finished.usage.completion_tokens == 40
+    assert not any(d.response.HasField("finished") for d in ds[:-1])
+    assert len(ds) <= 4  # ~20 tokens per 20 ms the client took
+    assert engine.reads <= 2 * len(ds)  # read only when a delta could go (unpaced: ~40 reads)
+
+
+async def test_an_unpaced_completion_on_the_same_stream_is_not_held() -> None:
+    engine = RunAhead(n=20, every_s=0.002)
+    ctx, requests = Context(), Requests()
+    requests.queue.put_nowait(paced_start(1))
+    requests.queue.put_nowait(paced_start(2, paced=False))
+    serving = asyncio.ensure_future(stream_of(engine, ctx).serve(requests))
+    await asyncio.sleep(0.2)  # tag 1's first delta is never taken
+    unpaced = ctx.deltas(2)
+    assert tokens(unpaced) == list(range(20)) and len(unpaced) >= 5
+    held = ctx.deltas(1)
+    assert len(held) == 1 and not held[0].response.HasField("finished")
+    requests.queue.put_nowait(pb.GeneratesRequest(taken=[1]))
+    await asyncio.sleep(0.05)
+    held = ctx.deltas(1)
+    assert tokens(held) == list(range(20)) and len(held) == 2  # the rest in one delta
+    requests.queue.put_nowait(None)
+    await asyncio.wait_for(serving, 5)
+
+
+async def test_a_held_paced_completion_is_cancelled_by_tag() -> None:
+    engine = RunAhead(n=10**6)
+    ctx, requests = Context(), Requests()
+    requests.queue.put_nowait(paced_start(3))
+    serving = asyncio.ensure_future(stream_of(engine, ctx).serve(requests))
+    await asyncio.sleep(0.05)
+    requests.queue.put_nowait(pb.GeneratesRequest(cancel=[3]))
+    requests.queue.put_nowait(None)
+    await asyncio.wait_for(serving, 5)
+    ds = ctx.deltas(3)
+    assert len(ds) == 2 and ds[-1].error.code == grpc.StatusCode.CANCELLED.value[0]
+
+
+def stream_of(engine: RunAhead, ctx: Context) -> GenerateStream:
+    return GenerateStream(engine, ctx, max_message_bytes=1 << 20, write_timeout_s=None)  # type: ignore[arg-type]
