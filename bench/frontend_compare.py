@@ -1,10 +1,11 @@
 """(a) one process against (b) bridge + engine server, through one Dynamo frontend:
 the set-up parts 1 and 7 share. (b) runs three ways: the multiplexed stream over
-TCP and over a unix socket, and one call per request over TCP."""
+TCP and over a unix socket, and one call per request over TCP (and, where a
+part asks, variants of the TCP bridge with a lever turned off)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -34,11 +35,13 @@ async def one_process_vs_bridges(
     unary_flag: str,
     make_config: MakeConfig,
     concurrency: Sequence[int],
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, dict[int, Summary]]:
     """Medians per configuration and concurrency. ``one_process`` and the three
     ``transports`` (stream over TCP, stream over unix, one call each over TCP) are
     the model names each is served as; ``unary_flag`` makes a bridge send one call
-    per request."""
+    per request. ``variants``: more bridges over TCP (model name -> their extra
+    flags), to show one lever on and off in the same run."""
     tcp, unix, unary = transports
     frontend = bench.frontend()
     worker = bench.start_worker(one_process, bench.sim_args())
@@ -48,13 +51,17 @@ async def one_process_vs_bridges(
         unix: bench.start_bridge(unix, engines["unix"].address),
         unary: bench.start_bridge(unary, engines["tcp"].address, unary_flag, "unary"),
     }
+    for name, flags in (variants or {}).items():
+        bridges[name] = bench.start_bridge(name, engines["tcp"].address, *flags)
     serving = {
         one_process: [frontend, worker],
         tcp: [frontend, bridges[tcp], engines["tcp"].proc],
         unix: [frontend, bridges[unix], engines["unix"].proc],
         unary: [frontend, bridges[unary], engines["tcp"].proc],
     }
-    names = (one_process, tcp, unix, unary)
+    for name in variants or {}:
+        serving[name] = [frontend, bridges[name], engines["tcp"].proc]
+    names = (one_process, tcp, unix, unary, *(variants or {}))
     bench.wait_models(names)
     async with frontend_session() as session:
         configs = [make_config(bench, session, name, serving[name]) for name in names]

@@ -101,8 +101,8 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
         async with contextlib.aclosing(self._generate(request)) as messages:
             while True:
                 if pacer is not None:
-                    # Not a token taken from the engine while the client has not
-                    # taken the last delta: whatever comes meanwhile merges there.
+                    # Nothing is taken from the engine until the client has taken
+                    # the last delta: what the engine makes meanwhile merges there.
                     await pacer.wait()
                 try:
                     message = await anext(messages)
