@@ -89,6 +89,15 @@ async def run_prompts(
     return prompts
 
 
+async def run_prompts_one_by_one(
+    stub, info: pb.GetServerInfoResponse, blocks: int, seeds: range
+) -> None:  # type: ignore[no-untyped-def]
+    """One prompt at a time: each is prefilled in its own engine step, so each
+    stores its blocks in its own batch (prompts sent together may share one)."""
+    for seed in seeds:
+        await run_prompts(stub, info, blocks, range(seed, seed + 1))
+
+
 def prompt_stored(sub: Subscriber, prompt: list[int], size: int, blocks: int) -> bool:
     wanted = {tuple(prompt[i * size : (i + 1) * size]) for i in range(blocks)}
     return wanted <= set(sub.blocks.values())
@@ -145,7 +154,7 @@ async def test_snapshot_plus_live_equals_a_later_snapshot(stub, server_info) -> 
 async def test_resume_from_sequence_number_replays_exactly(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     sub = await Subscriber(stub, pb.SubscribeKvEventsRequest()).started()
     try:
-        await run_prompts(stub, server_info, 2, range(940, 944))
+        await run_prompts_one_by_one(stub, server_info, 2, range(940, 944))
         await sub.wait_for(lambda: len(sub.batches) >= 2)
         start = sub.batches[1].sequence_number
         resumed = Subscriber(
@@ -223,7 +232,7 @@ async def test_packed_batches_equal_one_per_message(stub, server_info) -> None: 
         stub, pb.SubscribeKvEventsRequest(max_batches_per_message=64, max_delay_ms=20)
     ).started()
     try:
-        await run_prompts(stub, server_info, 2, range(980, 986))
+        await run_prompts_one_by_one(stub, server_info, 2, range(980, 986))
         await single.wait_for(lambda: len(single.batches) >= 2)
         last = single.batches[-1].sequence_number
         await packed.wait_for(
