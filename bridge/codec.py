@@ -438,14 +438,15 @@ def _top_logprobs(msg: pb.TopLogprobs) -> list[dict[str, Any]]:
 
 
 def completion_usage(usage: pb.Usage) -> dict[str, Any]:
-    out: dict[str, Any] = {
+    """OpenAI usage. The prompt's cached tokens always, 0 included (as vLLM's
+    server with ``--enable-prompt-tokens-details``): the engine always counts
+    them, and clients such as aiperf read an absent count as "not reported"."""
+    return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
-    if usage.cached_prompt_tokens:
-        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_prompt_tokens}
-    return out
 
 
 def stop_reason(match: pb.StopMatch) -> int | str | None:

@@ -362,7 +362,12 @@ def test_generate_chunks() -> None:
         "index": 0,
         "finish_reason": "stop",
         "stop_reason": "\n",
-        "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "completion_usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
     with pytest.raises(codec.ProtocolError):
         codec.generate_chunk(pb.GenerateResponse(token_ids=[1], logprobs=[-1.0, -2.0]))

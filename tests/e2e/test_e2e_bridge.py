@@ -86,6 +86,7 @@ def test_http_usage_is_the_rollouts(stack: Stack, stream: bool) -> None:
         direct = direct_rollout(stack, prompt, greedy=True, request_id=f"u{seed}{stream}")
         body = driver.build_rollout_body(stack.model, prompt, greedy=True)
         usage: dict[str, Any] | None = None
+        rollout: driver.RolloutResult
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -93,12 +94,20 @@ def test_http_usage_is_the_rollouts(stack: Stack, stream: bool) -> None:
             usage = next(e["usage"] for e in events if e.get("usage"))
             # The one content event carries the rollout whole.
             data = next(e for e in events if e.get("choices") and e.get("nvext"))
-            assert data["nvext"]["engine_data"]["rollout"]["token_ids"] == list(direct.token_ids)
+            rollout = driver.parse_rollout_response(data)
+            assert rollout.token_ids == list(direct.token_ids)
         else:
             status, answer = http_json(f"{stack.base_url}/v1/completions", body)
             assert status == 200, answer
-            assert_same(driver.parse_rollout_response(answer), direct)
+            rollout = driver.parse_rollout_response(answer)
+            assert_same(rollout, direct)
             usage = answer["usage"]
+        assert usage is not None
+        # The prompt's cached tokens are reported even when 0 (aiperf reads an
+        # absent count as a server that does not report them).
+        details = usage.pop("prompt_tokens_details", None)
+        cached = rollout.usage["cached_prompt_tokens"]
+        assert details is not None and details["cached_tokens"] == cached, details
         assert usage == {
             "prompt_tokens": len(prompt),
             "completion_tokens": len(direct.token_ids),
