@@ -1,6 +1,7 @@
 """``make bench``: the gRPC hop's cost, measured side by side in one run.
 
-    python -m bench [--parts 4,1,7,2,3,5,6] [--reps 5] [--quick] [--out bench-results]
+    python -m bench [--parts 4,1,7,2,3,5,6,8] [--reps 5] [--quick] [--out bench-results]
+                    [--aiperf .aiperf/bin/aiperf]
 
 1. Rollouts through Dynamo's frontend at concurrency 1/16/64/256: (a) a Dynamo
    worker serving the simulated engine in its own process, (b) bridge + engine
@@ -17,6 +18,8 @@
    unix socket next to loaded from disk (``bench/refit.py``).
 7. Streamed completions through Dynamo's frontend at concurrency 1/16/64, one
    process against two, with time to first token (``bench/streaming.py``).
+8. Parts 1 and 7's comparison measured by aiperf, Dynamo's own benchmark client
+   (``bench/aiperf_compare.py``; skipped when aiperf is not installed).
 
 Within a part, configurations are interleaved (each repetition runs every
 configuration, in a rotating order: ``bench/measure.py``) and medians over
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import (
+    aiperf_compare,
     frontend_rollouts,
     hop,
     kv_events,
@@ -64,9 +68,10 @@ PARTS: dict[int, Part] = {
     5: vllm_stack.run,
     6: refit.run,
     7: streaming.run,
+    8: aiperf_compare.run,
 }
-# Parts 1, 2 and 7 measure the same simulated engine servers.
-SIM_ENGINE_PARTS = {1, 2, 7}
+# Parts 1, 2, 7 and 8 measure the same simulated engine servers.
+SIM_ENGINE_PARTS = {1, 2, 7, 8}
 
 
 @dataclasses.dataclass
@@ -138,7 +143,7 @@ def as_json(meta: Meta, results: dict[int, PartResult]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--parts", default="4,1,7,2,3,5,6", help="which parts, in this order (default: all)"
+        "--parts", default="4,1,7,2,3,5,6,8", help="which parts, in this order (default: all)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
@@ -149,11 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="extra flags for the sim engine servers (e.g. '--event-loop asyncio')",
     )
+    parser.add_argument(
+        "--aiperf",
+        default="",
+        help="the aiperf command part 8 runs (default: .aiperf/bin/aiperf; none: skipped)",
+    )
     args = parser.parse_args(argv)
     parts = [int(p) for p in args.parts.split(",")]
     if unknown := sorted(set(parts) - set(PARTS)):
         parser.error(f"--parts: no part {unknown} (there are {sorted(PARTS)})")
-    options = Options(args.reps, args.quick, tuple(args.engine_server_args.split()))
+    options = Options(args.reps, args.quick, tuple(args.engine_server_args.split()), args.aiperf)
     try:
         import uvloop  # as Dynamo's workers and the engine server run
 

@@ -33,6 +33,8 @@ class Options:
     quick: bool
     # Extra flags for the sim engine servers of parts 1 and 2.
     engine_server_args: tuple[str, ...] = ()
+    # The aiperf command part 8 runs ("": the README's .aiperf/bin/aiperf, if any).
+    aiperf: str = ""
 
 
 @dataclass(frozen=True)
