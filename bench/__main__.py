@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [int(p) for p in args.parts.split(",")]
     if unknown := sorted(set(parts) - set(PARTS)):
         parser.error(f"--parts: no part {unknown} (there are {sorted(PARTS)})")
+    if args.aiperf and aiperf_compare.find_aiperf(args.aiperf) is None:
+        parser.error(f"--aiperf: no command {args.aiperf!r}")
     options = Options(args.reps, args.quick, tuple(args.engine_server_args.split()), args.aiperf)
     try:
         import uvloop  # as Dynamo's workers and the engine server run
