@@ -20,8 +20,9 @@ then laid out exactly as NeMo RL's vLLM worker lays out a batch
   token, NeMo RL's default route (0..top_k-1) past it; and the counts
   ``r3_routed_experts_{missing,expected,actual}_routes`` ``[B]`` int64.
 
-numpy only; torch tensors on request (``to_dict(tensors="torch")``), imported
-then and only then.
+numpy only, as everything in the bridge package (which never imports torch):
+a trainer wanting tensors converts them without a copy,
+``{k: torch.from_numpy(v) for k, v in out.to_dict().items()}``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,9 +70,8 @@ class GenerationOutput:
     r3_routed_experts_expected_routes: np.ndarray | None = None
     r3_routed_experts_actual_routes: np.ndarray | None = None
 
-    def to_dict(self, tensors: Literal["numpy", "torch"] = "numpy") -> dict[str, Any]:
-        """The arrays under NeMo RL's keys; torch tensors when asked (torch must be
-        installed: it is imported only here)."""
+    def to_dict(self) -> dict[str, np.ndarray]:
+        """The arrays under NeMo RL's keys."""
         out: dict[str, Any] = {
             "output_ids": self.output_ids,
             "logprobs": self.logprobs,
@@ -84,13 +84,7 @@ class GenerationOutput:
             out["r3_routed_experts_missing_routes"] = self.r3_routed_experts_missing_routes
             out["r3_routed_experts_expected_routes"] = self.r3_routed_experts_expected_routes
             out["r3_routed_experts_actual_routes"] = self.r3_routed_experts_actual_routes
-        if tensors == "numpy":
-            return out
-        if tensors != "torch":
-            raise ValueError(f"tensors must be 'numpy' or 'torch', got {tensors!r}")
-        import torch
-
-        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+        return out
 
 
 def prompts_from_padded(

@@ -113,8 +113,9 @@ def test_padded_prompts_keep_their_width_and_dtype() -> None:
         prompts_from_padded(ids, [0, 1])
 
 
-def test_torch_tensors_on_request() -> None:
+def test_the_arrays_become_torch_tensors_as_the_readme_says() -> None:
     torch = pytest.importorskip("torch", reason="torch tensors need torch")
-    out = assemble(PROMPTS, RESULTS, pad_token_id=2, num_routed_experts=8).to_dict("torch")
+    arrays = assemble(PROMPTS, RESULTS, pad_token_id=2, num_routed_experts=8).to_dict()
+    out = {k: torch.from_numpy(v) for k, v in arrays.items()}
     assert out["output_ids"].dtype == torch.int64 and out["routed_experts"].dtype == torch.int8
     assert out["logprobs"].dtype == torch.float32 and out["truncated"].dtype == torch.bool

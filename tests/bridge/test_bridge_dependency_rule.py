@@ -1,8 +1,10 @@
-"""The dependency rule, checked at runtime: the bridge runs where vllm and torch
-cannot be imported; the engine server where dynamo and bridge cannot."""
+"""The dependency rule, checked at runtime and in the source: the bridge runs
+where vllm and torch cannot be imported; the engine server where dynamo and
+bridge cannot; and no file of either imports them, even lazily."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -32,7 +34,7 @@ def test_bridge_imports_and_runs_without_vllm_or_torch() -> None:
     env = blocking_env("vllm", "torch")
     out = run(env, "-c", "import bridge.engine, bridge.__main__, bridge.driver; print('ok')")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-    # The driver's batch output imports torch only when its caller asks for tensors.
+    # The driver's batch output: numpy arrays, torch nowhere.
     out = run(env, "-c", "import bridge.batch; print('ok')")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     out = run(env, "-m", "bridge", "--help")
@@ -50,3 +52,28 @@ def test_engine_server_imports_no_dynamo_or_bridge() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     out = run(env, "-m", "engine_server", "--backend", "sim", "--help")
     assert out.returncode == 0, out.stderr
+
+
+def _imported_roots(package: str) -> dict[str, set[str]]:
+    """Every top-level module each file of ``package`` imports, at any depth of the
+    code (a lazy import inside a function counts: the runtime checks above only
+    see what importing runs)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        roots: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                roots.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                roots.add(node.module.split(".")[0])
+        found[str(path.relative_to(ROOT))] = roots
+    return found
+
+
+def test_no_file_of_either_side_imports_the_other_sides_dependencies() -> None:
+    rules = {"bridge": {"vllm", "torch"}, "engine_server": {"dynamo", "bridge"}}
+    for package, banned in rules.items():
+        found = _imported_roots(package)
+        assert found, package
+        offenders = {path: roots & banned for path, roots in found.items() if roots & banned}
+        assert not offenders, offenders
