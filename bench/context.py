@@ -99,6 +99,15 @@ class Bench:
             self._sim_engines = {"tcp": SimEngine(*tcp), "unix": SimEngine(*unix)}
         return self._sim_engines
 
+    def own_sim_engine(self, name: str) -> SimEngine:
+        """One more sim engine server on TCP, for one bridge alone (the caller stops
+        it): a deployment pairs each bridge with its own engine server, and an
+        engine server that streams its KV events to several bridges, each relaying
+        them to Dynamo, would charge the configuration measured for all of them."""
+        args = [*self.sim_args(), *self.options.engine_server_args]
+        with waiting(f"  sim engine server {name} starting"):
+            return SimEngine(*self.group.engine_server(f"engine-{name}", *args))
+
     def stop_sim_engines(self) -> None:
         self.stop(*(e.proc for e in self._sim_engines.values()))
         self._sim_engines = {}

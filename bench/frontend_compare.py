@@ -1,7 +1,8 @@
 """(a) one process against (b) bridge + engine server, through one Dynamo frontend:
 the set-up parts 1 and 7 share. (b) runs three ways: the multiplexed stream over
 TCP and over a unix socket, and one call per request over TCP (and, where a
-part asks, variants of the TCP bridge with a lever turned off)."""
+part asks, variants of the TCP bridge with a lever turned off). Each bridge has
+an engine server of its own, as deployed."""
 
 from __future__ import annotations
 
@@ -45,22 +46,21 @@ async def one_process_vs_bridges(
     tcp, unix, unary = transports
     frontend = bench.frontend()
     worker = bench.start_worker(one_process, bench.sim_args())
-    engines = bench.sim_engines()
+    shared = bench.sim_engines()
+    # One engine server per bridge, as deployed (``Bench.own_sim_engine`` says why).
+    engines = {tcp: shared["tcp"], unix: shared["unix"]}
+    own = {name: bench.own_sim_engine(name) for name in (unary, *(variants or {}))}
+    engines.update(own)
     bridges = {
-        tcp: bench.start_bridge(tcp, engines["tcp"].address),
-        unix: bench.start_bridge(unix, engines["unix"].address),
-        unary: bench.start_bridge(unary, engines["tcp"].address, unary_flag, "unary"),
+        tcp: bench.start_bridge(tcp, engines[tcp].address),
+        unix: bench.start_bridge(unix, engines[unix].address),
+        unary: bench.start_bridge(unary, engines[unary].address, unary_flag, "unary"),
     }
     for name, flags in (variants or {}).items():
-        bridges[name] = bench.start_bridge(name, engines["tcp"].address, *flags)
-    serving = {
-        one_process: [frontend, worker],
-        tcp: [frontend, bridges[tcp], engines["tcp"].proc],
-        unix: [frontend, bridges[unix], engines["unix"].proc],
-        unary: [frontend, bridges[unary], engines["tcp"].proc],
-    }
-    for name in variants or {}:
-        serving[name] = [frontend, bridges[name], engines["tcp"].proc]
+        bridges[name] = bench.start_bridge(name, engines[name].address, *flags)
+    serving = {one_process: [frontend, worker]}
+    for name, bridge in bridges.items():
+        serving[name] = [frontend, bridge, engines[name].proc]
     names = (one_process, tcp, unix, unary, *(variants or {}))
     bench.wait_models(names)
     async with frontend_session() as session:
@@ -68,5 +68,5 @@ async def one_process_vs_bridges(
         for config in configs:  # warm-up: connections, caches
             await config.measure(16, 64)
         cells = await interleaved(configs, concurrency, bench.options.reps, bench.requests_for, say)
-    bench.stop(worker, *bridges.values())
+    bench.stop(worker, *bridges.values(), *(e.proc for e in own.values()))
     return {name: {c: summarize(cs) for c, cs in per.items()} for name, per in cells.items()}
