@@ -55,7 +55,7 @@ from bench import (
     vllm_stack,
 )
 from bench.context import Bench, Options, say
-from bench.report import PartResult
+from bench.report import HasGoals, PartResult
 from harness import ROOT
 from harness.procs import ProcessGroup
 
@@ -121,6 +121,22 @@ async def run_parts(
     return meta, results
 
 
+def goals_line(results: dict[int, PartResult]) -> str | None:
+    """One line for the top of bench.md: how many of the parts' goals this run
+    met, and the ones it missed (None: no part measured against goals)."""
+    goals = {p: r.goals() for p, r in sorted(results.items()) if isinstance(r, HasGoals)}
+    if not goals:
+        return None
+    every = [(p, g) for p, per in goals.items() for g in per]
+    missed = "; ".join(f"part {p}, {g.what} ({g.measured})" for p, g in every if not g.met)
+    parts = " and ".join(str(p) for p in goals)
+    return (
+        f"**Goals: {sum(g.met for _, g in every)} of {len(every)} met in this run** "
+        f"(part{'s' if len(goals) > 1 else ''} {parts}; each part's goals table says which)"
+        + (f"; not met: {missed}." if missed else ".")
+    )
+
+
 def report(meta: Meta, results: dict[int, PartResult]) -> str:
     head = [
         "# make bench",
@@ -130,6 +146,8 @@ def report(meta: Meta, results: dict[int, PartResult]) -> str:
         "(the machine is shared; the load generator runs on the same cores).",
         "",
     ]
+    if line := goals_line(results):
+        head += [line, ""]
     return "\n".join(head + [results[part].render() for part in sorted(results)])
 
 

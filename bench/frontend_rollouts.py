@@ -14,7 +14,7 @@ import aiohttp
 from bench.context import CONCURRENCY, GEN_TOKENS, PROMPT_TOKENS, Bench, say
 from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
-from bench.report import fmt, paired, table
+from bench.report import Goal, fmt, goal_table, paired, table
 from bench.stats import Cell, Summary, closed_loop
 from bridge import driver
 from harness.procs import Proc
@@ -38,6 +38,26 @@ GOAL_ADDED_P50_MS_C1 = 1.0
 class FrontendRollouts:
     # configuration -> concurrency -> medians over repetitions
     summaries: dict[str, dict[int, Summary]]
+
+    def goals(self) -> list[Goal]:
+        s, a = self.summaries, self.summaries[ONE_PROCESS]
+        out = [
+            Goal.at_least(f"rps (b)/(a) at c=64, {TRANSPORTS[t]}", s[t][64].rps / a[64].rps, goal)
+            for t, goal in GOAL_RPS_RATIO_C64.items()
+            if 64 in a
+        ]
+        out += [
+            Goal.at_most(
+                f"p50 added at c=1, {TRANSPORTS[t]}",
+                s[t][1].p50_ms - a[1].p50_ms,
+                GOAL_ADDED_P50_MS_C1,
+                " ms",
+                sign=True,
+            )
+            for t in GOAL_RPS_RATIO_C64
+            if 1 in a
+        ]
+        return out
 
     def render(self) -> str:
         s = self.summaries
@@ -92,31 +112,7 @@ class FrontendRollouts:
             rows,
         )
         errors = sum(r.errors for per in s.values() for r in per.values())
-        lines += ["", "Goals:", ""]
-        goals = []
-        for transport, goal in GOAL_RPS_RATIO_C64.items():
-            if 64 in s[transport] and 64 in s[ONE_PROCESS]:
-                ratio = s[transport][64].rps / s[ONE_PROCESS][64].rps
-                goals.append(
-                    [
-                        f"rps (b)/(a) at c=64, {TRANSPORTS[transport]}",
-                        f">= {goal:g}",
-                        f"{ratio:.2f}",
-                        "met" if ratio >= goal else "not met",
-                    ]
-                )
-        if 1 in s[ONE_PROCESS]:
-            for transport in GOAL_RPS_RATIO_C64:
-                added = s[transport][1].p50_ms - s[ONE_PROCESS][1].p50_ms
-                goals.append(
-                    [
-                        f"p50 added at c=1, {TRANSPORTS[transport]}",
-                        f"<= {GOAL_ADDED_P50_MS_C1:g} ms",
-                        f"{added:+.2f} ms",
-                        "met" if added <= GOAL_ADDED_P50_MS_C1 else "not met",
-                    ]
-                )
-        lines += table(["goal", "target", "measured", ""], "lrrl", goals)
+        lines += ["", "Goals (issue 15):", "", *goal_table(self.goals())]
         lines += [
             "",
             f"Failed requests (not counted above): {errors}.",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from bench.stats import Summary, median
 
@@ -15,6 +16,39 @@ class PartResult(Protocol):
     __dataclass_fields__: ClassVar[dict[str, Any]]
 
     def render(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One of an issue's targets next to what this run measured."""
+
+    what: str
+    target: str
+    measured: str
+    met: bool
+
+    @classmethod
+    def at_least(cls, what: str, measured: float, target: float, unit: str = "") -> Goal:
+        return cls(what, f">= {target:g}{unit}", f"{measured:.2f}{unit}", measured >= target)
+
+    @classmethod
+    def at_most(
+        cls, what: str, measured: float, target: float, unit: str = "", sign: bool = False
+    ) -> Goal:
+        shown = f"{measured:+.2f}" if sign else f"{measured:.2f}"
+        return cls(what, f"<= {target:g}{unit}", f"{shown}{unit}", measured <= target)
+
+
+@runtime_checkable
+class HasGoals(Protocol):
+    """A part that measures against goals (bench.md sums them up at its top)."""
+
+    def goals(self) -> list[Goal]: ...
+
+
+def goal_table(goals: Sequence[Goal]) -> list[str]:
+    rows = [[g.what, g.target, g.measured, "met" if g.met else "**not met**"] for g in goals]
+    return table(["goal", "target", "measured", ""], "lrrl", rows)
 
 
 def fmt(x: float, digits: int = 1) -> str:

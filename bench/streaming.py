@@ -20,7 +20,7 @@ import aiohttp
 from bench.context import GEN_TOKENS, PROMPT_TOKENS, Bench, say
 from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
-from bench.report import fmt, paired, table
+from bench.report import Goal, fmt, goal_table, paired, table
 from bench.stats import Cell, Summary, closed_loop
 from harness.procs import Proc
 
@@ -40,12 +40,55 @@ CONFIGS = (ONE_PROCESS, *TRANSPORTS)
 GOAL_RPS_RATIO = 0.9
 GOAL_TTFT_RATIO = 1.15
 GOAL_BRIDGE_CPU_MS = 2.0
+GOAL_ADDED_P50_MS_C1 = 1.0
+# Where the goals hold: the streams, at the loaded concurrencies.
+GOAL_TRANSPORTS = ("sgrpc-tcp", "sgrpc-unix")
+GOAL_CONCURRENCY = (16, 64)
 
 
 @dataclass
 class Streaming:
     # configuration -> concurrency -> medians over repetitions
     summaries: dict[str, dict[int, Summary]]
+
+    def goals(self) -> list[Goal]:
+        s, a = self.summaries, self.summaries[ONE_PROCESS]
+        loaded = [(c, t) for c in GOAL_CONCURRENCY if c in a for t in GOAL_TRANSPORTS]
+        out = [
+            Goal.at_least(
+                f"rps (b)/(a) at c={c}, {TRANSPORTS[t]}", s[t][c].rps / a[c].rps, GOAL_RPS_RATIO
+            )
+            for c, t in loaded
+        ]
+        out += [
+            Goal.at_most(
+                f"TTFT p50 (b)/(a) at c={c}, {TRANSPORTS[t]}",
+                s[t][c].ttft_p50_ms / a[c].ttft_p50_ms,
+                GOAL_TTFT_RATIO,
+            )
+            for c, t in loaded
+        ]
+        out += [
+            Goal.at_most(
+                f"bridge CPU per request at c={c}, {TRANSPORTS[t]}",
+                sum(v for k, v in s[t][c].cpu_ms.items() if k.startswith("bridge")),
+                GOAL_BRIDGE_CPU_MS,
+                " ms",
+            )
+            for c, t in loaded
+        ]
+        out += [
+            Goal.at_most(
+                f"p50 added at c=1, {TRANSPORTS[t]}",
+                s[t][1].p50_ms - a[1].p50_ms,
+                GOAL_ADDED_P50_MS_C1,
+                " ms",
+                sign=True,
+            )
+            for t in GOAL_TRANSPORTS
+            if 1 in a
+        ]
+        return out
 
     def render(self) -> str:
         s = self.summaries
@@ -108,6 +151,7 @@ class Streaming:
             rows,
         )
         errors = sum(r.errors for per in s.values() for r in per.values())
+        lines += ["", "Goals (issue 15):", "", *goal_table(self.goals())]
         lines += [
             "",
             f"Failed requests (not counted above): {errors}.",
