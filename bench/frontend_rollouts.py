@@ -14,7 +14,7 @@ import aiohttp
 from bench.context import CONCURRENCY, GEN_TOKENS, PROMPT_TOKENS, Bench, say
 from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
-from bench.report import Goal, fmt, goal_table, paired, table
+from bench.report import Goal, added_p50_at_c1, fmt, goal_table, paired, table
 from bench.stats import Cell, Summary, closed_loop
 from bridge import driver
 from harness.procs import Proc
@@ -29,9 +29,8 @@ TRANSPORTS = {
 CONFIGS = (ONE_PROCESS, *TRANSPORTS)
 
 # The goals, shown next to what was measured: (b)/(a) throughput at c=64 by
-# transport, and the p50 latency the hop may add at c=1.
+# transport (and the c=1 latency goal, ``report.added_p50_at_c1``).
 GOAL_RPS_RATIO_C64 = {"grpc-tcp": 0.95, "grpc-unix": 1.0}
-GOAL_ADDED_P50_MS_C1 = 1.0
 
 
 @dataclass
@@ -46,17 +45,7 @@ class FrontendRollouts:
             for t, goal in GOAL_RPS_RATIO_C64.items()
             if 64 in a
         ]
-        out += [
-            Goal.at_most(
-                f"p50 added at c=1, {TRANSPORTS[t]}",
-                s[t][1].p50_ms - a[1].p50_ms,
-                GOAL_ADDED_P50_MS_C1,
-                " ms",
-                sign=True,
-            )
-            for t in GOAL_RPS_RATIO_C64
-            if 1 in a
-        ]
+        out += added_p50_at_c1(a, {t: s[t] for t in GOAL_RPS_RATIO_C64}, TRANSPORTS)
         return out
 
     def render(self) -> str:

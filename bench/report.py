@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -44,6 +44,32 @@ class HasGoals(Protocol):
     """A part that measures against goals (bench.md sums them up at its top)."""
 
     def goals(self) -> list[Goal]: ...
+
+
+# Issue 15: the hop adds at most this much to the p50 of one request at a time.
+GOAL_ADDED_P50_MS_C1 = 1.0
+
+
+def added_p50_at_c1(
+    one_process: Mapping[int, Summary],
+    split: Mapping[str, Mapping[int, Summary]],
+    labels: Mapping[str, str],
+) -> list[Goal]:
+    """The c=1 latency goal of each configuration in ``split`` (none when c=1 was
+    not measured)."""
+    if 1 not in one_process:
+        return []
+    base = one_process[1].p50_ms
+    return [
+        Goal.at_most(
+            f"p50 added at c=1, {labels[name]}",
+            per[1].p50_ms - base,
+            GOAL_ADDED_P50_MS_C1,
+            " ms",
+            sign=True,
+        )
+        for name, per in split.items()
+    ]
 
 
 def goal_table(goals: Sequence[Goal]) -> list[str]:

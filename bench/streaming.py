@@ -20,7 +20,7 @@ import aiohttp
 from bench.context import GEN_TOKENS, PROMPT_TOKENS, Bench, say
 from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
-from bench.report import Goal, fmt, goal_table, paired, table
+from bench.report import Goal, added_p50_at_c1, fmt, goal_table, paired, table
 from bench.stats import Cell, Summary, closed_loop
 from harness.procs import Proc
 
@@ -40,7 +40,6 @@ CONFIGS = (ONE_PROCESS, *TRANSPORTS)
 GOAL_RPS_RATIO = 0.9
 GOAL_TTFT_RATIO = 1.15
 GOAL_BRIDGE_CPU_MS = 2.0
-GOAL_ADDED_P50_MS_C1 = 1.0
 # Where the goals hold: the streams, at the loaded concurrencies.
 GOAL_TRANSPORTS = ("sgrpc-tcp", "sgrpc-unix")
 GOAL_CONCURRENCY = (16, 64)
@@ -77,17 +76,7 @@ class Streaming:
             )
             for c, t in loaded
         ]
-        out += [
-            Goal.at_most(
-                f"p50 added at c=1, {TRANSPORTS[t]}",
-                s[t][1].p50_ms - a[1].p50_ms,
-                GOAL_ADDED_P50_MS_C1,
-                " ms",
-                sign=True,
-            )
-            for t in GOAL_TRANSPORTS
-            if 1 in a
-        ]
+        out += added_p50_at_c1(a, {t: s[t] for t in GOAL_TRANSPORTS}, TRANSPORTS)
         return out
 
     def render(self) -> str:
