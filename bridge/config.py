@@ -25,6 +25,7 @@ from dynamo.common.configuration.utils import add_argument, add_negatable_bool_a
 from dynamo.common.utils.runtime import parse_endpoint
 from dynamo.llm import ModelInput
 
+from bridge.admin_auth import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from bridge.client import MIB, ClientOptions
 from bridge.tls import TlsOptions
 
@@ -128,6 +129,8 @@ class BridgeConfig:
     component: str = "backend"
     request_plane: str = "tcp"
     event_plane: str | None = None
+    # The bearer token every system-port path but the probes needs (None: open).
+    admin_token: AdminToken | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_address:
@@ -334,6 +337,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(DYN_SYSTEM_PORT); the bridge then fronts the port and passes every other "
         "path to Dynamo's own system server.",
     )
+    add_argument(
+        g,
+        flag_name="--admin-token-file",
+        env_var=TOKEN_FILE_ENV,
+        default=None,
+        help="File holding the bearer token that the system port requires as "
+        "'Authorization: Bearer <token>' on every path but /health, /live and /metrics "
+        "(the RL admin routes /engine/*, Dynamo's own included; the file's content, "
+        "surrounding whitespace stripped; empty is refused). Without it the token is read from "
+        f"${TOKEN_ENV}; with neither the routes are open to whoever reaches the port "
+        "(bind it to loopback with DYN_SYSTEM_HOST=127.0.0.1). Never give the token "
+        "itself as a flag: every user sees flags in ps.",
+    )
     for flag, env, what in (
         (
             "--engine-tls-ca",
@@ -405,6 +421,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
     except ValueError as e:
         parser.error(str(e))
     args.endpoint_types = endpoint_types
+    try:
+        admin_token = AdminToken.resolve(args.admin_token_file)
+    except ValueError as e:
+        parser.error(str(e))
     runtime = _Config.from_cli_args(args)
     runtime.validate()
     endpoint = args.endpoint or f"dyn://{runtime.namespace}.{args.component}.{DEFAULT_ENDPOINT}"
@@ -439,6 +459,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         component=runtime.component,
         request_plane=str(runtime.request_plane),
         event_plane=runtime.event_plane,
+        admin_token=admin_token,
     )
     worker = WorkerConfig.from_runtime_config(
         runtime,

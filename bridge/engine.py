@@ -101,7 +101,9 @@ class BridgeEngine(LLMEngine):
         self.exit_code = 0
         self.rl_admin = RlAdmin(lambda: self._client, self.registration, self._engine_request_id)
         self._system = (
-            SystemServer(system_port, self.rl_admin.routes()) if system_port is not None else None
+            SystemServer(system_port, self.rl_admin.routes(), config.admin_token)
+            if system_port is not None
+            else None
         )
         self._rl_endpoint: RlEndpoint | None = None
         # Why the engine server now at our address cannot be served (registration
@@ -124,6 +126,12 @@ class BridgeEngine(LLMEngine):
         configure_bridge_logging(bridge_config.log_level)
         # Before Dynamo's runtime starts: it must find its system port moved inside.
         system_port = SystemPort.claim() if bridge_config.rl_routes else None
+        if bridge_config.admin_token is not None and system_port is None:
+            log.warning(
+                "an admin token is set (%s) but this bridge serves no admin routes "
+                "(--no-rl-routes, or no DYN_SYSTEM_PORT): it protects nothing",
+                bridge_config.admin_token.source,
+            )
         return cls(bridge_config, system_port), worker_config
 
     # -- lifecycle ---------------------------------------------------------

@@ -5,7 +5,9 @@ Two ways in, the same cycle and the same report:
 - ``RefitClient(worker_urls)``: over each Dynamo worker's RL admin routes (its
   system port, ``/engine/pause_generation`` ...), exactly as a trainer drives
   ``dynamo.vllm --enable-rl``; the new weights come from a checkpoint folder
-  every worker can read.
+  every worker can read. It sends the workers' admin token (``bridge.admin_auth``:
+  given, or read as a bridge reads it, ``$BRIDGE_ADMIN_TOKEN_FILE`` or
+  ``$BRIDGE_ADMIN_TOKEN``) as ``Authorization: Bearer``.
 - ``EngineRefitClient(engine_addresses)``: over the engine servers' contract
   (gRPC); the new weights come from a folder or are streamed from the
   trainer's memory (``engine_contract.tensors``), no shared filesystem needed.
@@ -29,6 +31,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from bridge.admin_auth import AdminToken
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
@@ -152,7 +155,11 @@ class RouteError(RuntimeError):
 
 
 class RefitClient(_Cycle):
-    """The cycle over Dynamo workers' RL admin routes (their system URLs)."""
+    """The cycle over Dynamo workers' RL admin routes (their system URLs).
+
+    ``admin_token``: the workers' token; None (the default) reads it from the
+    environment as a bridge does (``AdminToken.from_env``), and sends none when
+    neither variable is set."""
 
     def __init__(
         self,
@@ -160,10 +167,16 @@ class RefitClient(_Cycle):
         *,
         session: aiohttp.ClientSession | None = None,
         timeout_s: float | None = None,
+        admin_token: str | AdminToken | None = None,
     ) -> None:
         if not worker_urls:
             raise ValueError("no worker URLs")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        if isinstance(admin_token, str):
+            admin_token = AdminToken(admin_token, "the admin_token argument")
+        elif admin_token is None:
+            admin_token = AdminToken.from_env()
+        self._headers = admin_token.header() if admin_token is not None else {}
         self._session = session
         self._own_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -186,7 +199,10 @@ class RefitClient(_Cycle):
         if self._session is None:
             self._session = aiohttp.ClientSession()
         async with self._session.post(
-            f"{worker}/engine/{route}", json=body or {}, timeout=self._timeout
+            f"{worker}/engine/{route}",
+            json=body or {},
+            timeout=self._timeout,
+            headers=self._headers,
         ) as resp:
             try:
                 answer = await resp.json(content_type=None)

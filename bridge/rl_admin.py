@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ import grpc
 from bridge.client import EngineClient
 from bridge.codec import clip
 from bridge.registration import Registration
+from engine_contract.labels import label_problem
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -80,12 +82,26 @@ def _route(
 
 
 def _version(value: Any) -> str:
-    """dynamo.vllm takes any JSON value as a version; the engine labels with text."""
-    if isinstance(value, str):
-        return value
+    """dynamo.vllm takes any JSON scalar as a version; the engine labels with text,
+    which must be printable (``engine_contract.labels``): checked here, before any
+    RPC, so a bad label never reaches the engine server or an answer."""
     if value is None or isinstance(value, (dict, list)):
         raise RouteError(f"'weight_version' must be a string or a number, got {clip(value)}")
-    return json.dumps(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RouteError(f"'weight_version' must be a finite number, got {value}")
+    label = value if isinstance(value, str) else _json(value)
+    problem = label_problem(label)
+    if problem is not None:
+        raise RouteError(f"'weight_version' {problem}")
+    return label
+
+
+def _json(value: Any) -> str:
+    """Strict JSON text: a non-finite number is an error, never ``NaN``."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError as e:
+        raise RouteError(f"the body holds a number JSON cannot carry: {e}") from None
 
 
 def _updated(body: Body) -> Body:
@@ -182,10 +198,10 @@ class RlAdmin:
     @_route
     async def pause_generation(self, body: Body) -> Body:
         mode = body.get("mode", "keep")
-        clear_cache = bool(body.get("clear_cache", False))
         if not isinstance(mode, str) or mode not in PAUSE_MODES:
             shown = mode if isinstance(mode, str) and len(mode) <= 40 else clip(mode)
             raise RouteError(f"Invalid mode '{shown}'; expected keep|wait|abort")
+        clear_cache = _bool(body, "clear_cache", False)
         await self._rpc(
             "PauseGeneration",
             pb.PauseGenerationRequest(mode=PAUSE_MODES[mode], clear_cache=clear_cache),
@@ -223,7 +239,9 @@ class RlAdmin:
 
     @_route
     async def update_weights_from_disk(self, body: Body) -> Body:
-        # dynamo.vllm's order: "not paused" before anything about the body.
+        # A bad label before any RPC; otherwise dynamo.vllm's order: "not paused"
+        # before anything else about the body.
+        version = _version(body["weight_version"]) if "weight_version" in body else None
         if not await self._paused():
             raise RouteError(NOT_PAUSED)
         path = body.get("model_path")
@@ -238,8 +256,8 @@ class RlAdmin:
                 "loads checkpoints with reload_weights"
             )
         options = pb.WeightUpdateOptions()
-        if "weight_version" in body:
-            options.weight_version = _version(body["weight_version"])
+        if version is not None:
+            options.weight_version = version
         await self._update(
             "UpdateWeightsFromPath", pb.UpdateWeightsFromPathRequest(path=path, options=options)
         )
@@ -254,11 +272,12 @@ class RlAdmin:
                 "Unpaused weight updates cannot reset the prefix cache. Set "
                 "'reset_prefix_cache' to false or pause generation first."
             )
+        version = _version(body["weight_version"]) if "weight_version" in body else None
+        kwargs = {k: v for k, v in body.items() if k not in _RESERVED}
+        update_info = _json(kwargs)
         if not allow_unpaused and not await self._paused():
             raise RouteError(NOT_PAUSED)
         options = pb.WeightUpdateOptions(allow_unpaused=allow_unpaused, reset_prefix_cache=reset)
-        version = _version(body["weight_version"]) if "weight_version" in body else None
-        kwargs = {k: v for k, v in body.items() if k not in _RESERVED}
         path = next((kwargs[k] for k in _PATH_KEYS if isinstance(kwargs.get(k), str)), None)
         if path is not None:
             if version is not None:
@@ -270,7 +289,7 @@ class RlAdmin:
             await self._update("StartWeightUpdate", pb.StartWeightUpdateRequest(options=options))
             await self._rpc(
                 "UpdateWeights",
-                pb.UpdateWeightsRequest(update_info_json=json.dumps(kwargs).encode()),
+                pb.UpdateWeightsRequest(update_info_json=update_info.encode()),
             )
             finish = pb.FinishWeightUpdateRequest()
             if version is not None:
@@ -290,7 +309,7 @@ class RlAdmin:
         info = {k: v for k, v in body.items() if k != "engine_rpc"}
         await self._rpc(
             "InitWeightTransferEngine",
-            pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(info).encode()),
+            pb.InitWeightTransferEngineRequest(init_info_json=_json(info).encode()),
         )
         return {"status": "ok", "message": "Weight update group initialized"}
 
@@ -308,9 +327,8 @@ class RlAdmin:
         if "weight_version" not in body:
             raise RouteError("Missing 'weight_version' in body")
         value = body["weight_version"]
-        await self._rpc(
-            "UpdateWeightVersion", pb.UpdateWeightVersionRequest(weight_version=_version(value))
-        )
+        label = _version(value)
+        await self._rpc("UpdateWeightVersion", pb.UpdateWeightVersionRequest(weight_version=label))
         return {"status": "ok", "version": value}
 
     # -- sleep --------------------------------------------------------------------

@@ -8,10 +8,16 @@ its system server is moved to an internal loopback port (in the environment it
 reads), and this server answers the RL routes and passes every other request
 (``/health``, ``/live``, ``/metrics``, ``/engine/control/...``) to it, status,
 headers and body unchanged.
+
+With an admin token (``bridge.admin_auth``) every path but ``/health``,
+``/live`` and ``/metrics`` needs it, Dynamo's own ``/engine/...`` included.
+Bodies and answers are strict JSON: ``NaN`` and ``Infinity`` are refused on the
+way in and can never leave (``allow_nan=False``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +29,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from bridge.admin_auth import AdminToken, auth_middleware, exposure_warning
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,19 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+
+
+_dumps = functools.partial(json.dumps, allow_nan=False)
+
+
+def _refuse_constant(name: str) -> Any:
+    """json.loads takes NaN, Infinity and -Infinity; JSON has no such values."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(raw: bytes | str) -> Any:
+    """A request body as JSON, refusing the non-JSON constants json.loads allows."""
+    return json.loads(raw, parse_constant=_refuse_constant)
 
 
 def free_dynamo_port() -> int:
@@ -98,14 +119,21 @@ class SystemPort:
 class SystemServer:
     """Serves ``routes`` as ``/engine/<name>``; proxies the rest to Dynamo's server."""
 
-    def __init__(self, address: SystemPort, routes: Mapping[str, Route]) -> None:
+    def __init__(
+        self,
+        address: SystemPort,
+        routes: Mapping[str, Route],
+        admin_token: AdminToken | None = None,
+    ) -> None:
         self.address = address
         self._routes = dict(routes)
+        self._token = admin_token
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=16 << 20)
+        middlewares = [auth_middleware(self._token)] if self._token is not None else []
+        app = web.Application(client_max_size=16 << 20, middlewares=middlewares)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -120,6 +148,15 @@ class SystemServer:
             self.address.url,
             self.address.internal_port,
         )
+        if self._token is not None:
+            log.info(
+                "system port: every path but /health, /live, /metrics needs the admin "
+                "token (from %s)",
+                self._token.source,
+            )
+        warning = exposure_warning(self.address.host, self.address.port, self._token)
+        if warning is not None:
+            log.warning(warning)
 
     async def stop(self) -> None:
         runner, self._runner = self._runner, None
@@ -142,21 +179,32 @@ class SystemServer:
         body: Any = {}
         if raw.strip():
             try:
-                body = json.loads(raw)
+                body = strict_json(raw)
             except (ValueError, RecursionError) as e:
                 return web.json_response(
                     {"error": "Invalid JSON", "message": f"request body is not JSON: {e!s:.200}"},
                     status=400,
                 )
         answer = await self._routes[name](body)
-        return web.json_response(answer)
+        try:
+            return web.json_response(answer, dumps=_dumps)
+        except (TypeError, ValueError) as e:
+            log.error("RL route %s answered what JSON cannot carry: %s", name, e)
+            return web.json_response(
+                {"status": "error", "message": f"the answer is not JSON: {e!s:.200}"}, status=500
+            )
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         session = self._session
         if session is None:
             return web.Response(status=503, text="starting")
         target = f"http://127.0.0.1:{self.address.internal_port}{request.path_qs}"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # The admin token stays here: Dynamo's server has no use for it.
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP_BY_HOP and k.lower() != "authorization"
+        }
         try:
             async with session.request(
                 request.method, target, headers=headers, data=await request.read()

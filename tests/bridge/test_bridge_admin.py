@@ -1,0 +1,420 @@
+"""The system port's admin surface: the token (issue 28 #3), strict JSON and
+printable version labels (#4), and pause_generation's boolean (#5).
+
+SystemServer runs on a real loopback socket in front of a stand-in for Dynamo's
+own system server; RlAdmin runs against a fake engine client that records RPCs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bridge.admin_auth import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken, exposure_warning, is_loopback
+from bridge.config import MODEL_FILES, parse_args
+from bridge.refit import RefitClient, RouteError
+from bridge.rl_admin import RlAdmin
+from bridge.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
+from engine_contract.v1 import engine_pb2 as pb
+
+TOKEN = "s3cret-Token_0123456789"
+
+
+# -- the token ---------------------------------------------------------------------
+
+
+def test_token_file_is_read_stripped_and_never_shown(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(f"  {TOKEN}\n")
+    token = AdminToken.from_file(path)
+    assert token.matches(f"Bearer {TOKEN}") and token.matches(f"bearer  {TOKEN} ")
+    assert token.header() == {"Authorization": f"Bearer {TOKEN}"}
+    for wrong in (None, "", TOKEN, f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer", "Bearer é"):
+        assert not token.matches(wrong), wrong
+    assert TOKEN not in repr(token) and str(path) in repr(token)
+
+
+@pytest.mark.parametrize("content", ["", "\n", "  \t\n"])
+def test_an_empty_token_file_is_refused_naming_the_file(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "empty-token"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="empty") as refused:
+        AdminToken.from_file(path)
+    assert str(path) in str(refused.value)
+    with pytest.raises(ValueError, match=r"cannot read the admin token file .*missing"):
+        AdminToken.from_file(tmp_path / "missing")
+
+
+def test_a_token_is_visible_ascii_and_never_quoted() -> None:
+    with pytest.raises(ValueError, match="index 3") as refused:
+        AdminToken("abc def", "test")
+    assert "abc" not in str(refused.value)
+    with pytest.raises(ValueError, match="index 1"):
+        AdminToken("aé", "test")
+
+
+def test_token_sources_file_then_environment() -> None:
+    assert AdminToken.resolve(None, {}) is None
+    token = AdminToken.resolve(None, {TOKEN_ENV: TOKEN})
+    assert token is not None and token.matches(f"Bearer {TOKEN}")
+    # Set but empty: refused, not taken as "no token" (fail closed).
+    with pytest.raises(ValueError, match=r"\$BRIDGE_ADMIN_TOKEN is empty"):
+        AdminToken.resolve(None, {TOKEN_ENV: " "})
+    assert AdminToken.from_env({}) is None
+
+
+def test_the_cli_takes_a_token_file_and_refuses_an_empty_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in MODEL_FILES:
+        (model / name).write_text("{}")
+    base = ["--engine", "h:1", "--model-path", str(model)]
+    assert parse_args(base)[0].admin_token is None
+    good = tmp_path / "token"
+    good.write_text(TOKEN + "\n")
+    config = parse_args([*base, "--admin-token-file", str(good)])[0]
+    assert config.admin_token is not None and config.admin_token.matches(f"Bearer {TOKEN}")
+    assert TOKEN not in repr(config)
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--admin-token-file", str(empty)])
+    assert f"the admin token from file {empty} is empty" in capsys.readouterr().err
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    config = parse_args(base)[0]
+    assert config.admin_token is not None and config.admin_token.source == f"${TOKEN_ENV}"
+
+
+def test_exposure_warning_only_beyond_loopback_without_a_token() -> None:
+    token = AdminToken(TOKEN, "test")
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert is_loopback(host) and exposure_warning(host, 1, None) is None
+    for host in ("0.0.0.0", "", "::", "10.1.2.3", "worker-0.example"):
+        assert not is_loopback(host)
+        warning = exposure_warning(host, 8081, None)
+        assert warning is not None and "--admin-token-file" in warning
+        assert "DYN_SYSTEM_HOST=127.0.0.1" in warning and TOKEN_ENV in warning
+        assert exposure_warning(host, 8081, token) is None
+
+
+# -- the system server -------------------------------------------------------------
+
+
+@dataclass
+class Upstream:
+    """Stands in for Dynamo's own system server; records what reached it."""
+
+    url: str
+    port: int
+    seen: list[str] = field(default_factory=list)
+    # The Authorization headers that reached it (the token must not).
+    authorization: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class Served:
+    url: str
+    upstream: Upstream
+    calls: list[tuple[str, Any]]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    seen: list[str] = []
+    authorization: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        authorization.append(request.headers.get("Authorization"))
+        return web.json_response({"upstream": request.path})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield Upstream(f"http://127.0.0.1:{port}", port, seen, authorization)
+    await runner.cleanup()
+
+
+async def _serve(
+    upstream: Upstream, token: AdminToken | None, host: str = "127.0.0.1"
+) -> tuple[SystemServer, Served]:
+    calls: list[tuple[str, Any]] = []
+
+    def route(name: str, answer: dict[str, Any]) -> Any:
+        async def handler(body: Any) -> dict[str, Any]:
+            calls.append((name, body))
+            return answer
+
+        return handler
+
+    routes = {
+        "pause_generation": route("pause_generation", {"status": "ok"}),
+        "control/sleep": route("control/sleep", {"status": "ok"}),
+        "nan_answer": route("nan_answer", {"status": "ok", "version": math.nan}),
+    }
+    port = free_dynamo_port()
+    server = SystemServer(SystemPort(host, port, upstream.port), routes, token)
+    await server.start()
+    return server, Served(f"http://127.0.0.1:{port}", upstream, calls)
+
+
+async def _call(
+    url: str, body: bytes | None = None, headers: dict[str, str] | None = None, method: str = "POST"
+) -> tuple[int, Any, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, url, data=body, headers=headers or {}) as resp,
+    ):
+        text = await resp.text()
+        return resp.status, json.loads(text, parse_constant=_no_constant), resp.headers
+
+
+def _no_constant(name: str) -> Any:
+    raise AssertionError(f"the answer holds {name}: not JSON")
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def test_with_a_token_every_admin_path_needs_it_and_probes_stay_open(
+    upstream: Upstream,
+) -> None:
+    server, s = await _serve(upstream, AdminToken(TOKEN, "test"))
+    try:
+        for path in ("/engine/pause_generation", "/engine/control/sleep"):
+            for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                status, answer, resp_headers = await _call(s.url + path, b"{}", headers)
+                assert status == 401, (path, headers, status)
+                assert answer["status"] == "error" and "admin token" in answer["message"]
+                assert resp_headers["WWW-Authenticate"].startswith("Bearer")
+        assert s.calls == []  # no route ran
+        # Dynamo's own routes behind us, under any spelling of the path: refused
+        # before they reach it.
+        for path in (
+            "/engine/control/start_profile",
+            "/engine/no_such_route",
+            "//engine/pause_generation",
+            "/%65ngine/pause_generation",
+            "/health/../engine/pause_generation",
+            "/metadata",
+            "/",
+        ):
+            status, _, _ = await _call(s.url + path, b"{}")
+            assert status == 401, (path, status)
+        assert upstream.seen == []
+        # The probes need nothing.
+        for path in ("/health", "/live", "/metrics"):
+            status, answer, _ = await _call(s.url + path, method="GET")
+            assert status == 200 and answer == {"upstream": path}
+        # With the token: our routes and Dynamo's.
+        status, answer, _ = await _call(s.url + "/engine/pause_generation", b"{}", AUTH)
+        assert status == 200 and answer == {"status": "ok"}
+        assert s.calls == [("pause_generation", {})]
+        status, answer, _ = await _call(s.url + "/engine/control/start_profile", b"{}", AUTH)
+        assert status == 200 and answer == {"upstream": "/engine/control/start_profile"}
+        assert upstream.authorization == [None] * 4  # the token stays with us
+    finally:
+        await server.stop()
+
+
+async def test_without_a_token_the_routes_are_open_as_before(upstream: Upstream) -> None:
+    server, s = await _serve(upstream, None)
+    try:
+        status, answer, _ = await _call(s.url + "/engine/pause_generation", b"{}")
+        assert status == 200 and answer == {"status": "ok"}
+        status, _, _ = await _call(s.url + "/engine/control/start_profile", b"{}")
+        assert status == 200 and upstream.seen == ["/engine/control/start_profile"]
+    finally:
+        await server.stop()
+
+
+async def test_refit_client_sends_the_token(
+    upstream: Upstream, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+    server, s = await _serve(upstream, AdminToken(TOKEN, "test"))
+    try:
+        async with RefitClient([s.url]) as anonymous:
+            with pytest.raises(RouteError, match="HTTP 401"):
+                await anonymous.call(s.url, "pause_generation")
+        async with RefitClient([s.url], admin_token=TOKEN) as given:
+            assert await given.call(s.url, "pause_generation") == {"status": "ok"}
+        monkeypatch.setenv(TOKEN_ENV, TOKEN)
+        async with RefitClient([s.url]) as from_env:
+            assert await from_env.call(s.url, "pause_generation") == {"status": "ok"}
+        monkeypatch.delenv(TOKEN_ENV)
+        path = tmp_path / "token"
+        path.write_text(TOKEN)
+        monkeypatch.setenv(TOKEN_FILE_ENV, str(path))
+        async with RefitClient([s.url]) as from_file:
+            assert await from_file.call(s.url, "pause_generation") == {"status": "ok"}
+        async with RefitClient([s.url], admin_token="wrong") as wrong:
+            with pytest.raises(RouteError, match="HTTP 401"):
+                await wrong.call(s.url, "pause_generation")
+        assert len(s.calls) == 3
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [("0.0.0.0", None, True), ("0.0.0.0", TOKEN, False), ("127.0.0.1", None, False)],
+)
+async def test_start_warns_once_when_open_beyond_loopback(
+    upstream: Upstream,
+    caplog: pytest.LogCaptureFixture,
+    host: str,
+    token: str | None,
+    warned: bool,
+) -> None:
+    caplog.set_level(logging.INFO, logger="bridge")
+    server, _ = await _serve(upstream, AdminToken(token, "test") if token else None, host)
+    await server.stop()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == (1 if warned else 0), [r.getMessage() for r in warnings]
+    if warned:
+        assert "with no admin token" in warnings[0].getMessage()
+    assert all(TOKEN not in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+async def test_non_json_constants_are_invalid_json(upstream: Upstream, constant: str) -> None:
+    server, s = await _serve(upstream, None)
+    try:
+        body = f'{{"weight_version": {constant}}}'.encode()
+        status, answer, _ = await _call(s.url + "/engine/pause_generation", body)
+        assert status == 400 and answer["error"] == "Invalid JSON", answer
+        assert constant in answer["message"]
+        assert s.calls == []
+        with pytest.raises(ValueError):
+            strict_json(body)
+        assert strict_json(b'{"weight_version": 1e999}') == {"weight_version": math.inf}
+    finally:
+        await server.stop()
+
+
+async def test_an_answer_never_leaves_as_non_json(upstream: Upstream) -> None:
+    server, s = await _serve(upstream, None)
+    try:
+        status, answer, _ = await _call(s.url + "/engine/nan_answer", b"{}")
+        assert status == 500 and answer["status"] == "error"
+    finally:
+        await server.stop()
+
+
+# -- the routes: labels and booleans ------------------------------------------------------
+
+
+class FakeClient:
+    """The engine client RlAdmin calls; records every RPC by name."""
+
+    address = "fake:1"
+
+    def __init__(self, paused: bool = True) -> None:
+        self.rpcs: list[str] = []
+        self.requests: list[Any] = []
+        self.paused = paused
+
+    async def refit(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        self.rpcs.append(method)
+        self.requests.append(request)
+        if method == "IsPaused":
+            return pb.IsPausedResponse(paused=self.paused)
+        return None
+
+
+class FakeRegistration:
+    async def leave(self, why: str) -> None: ...
+
+    async def rejoin(self, why: str) -> None: ...
+
+
+def _admin(client: FakeClient) -> RlAdmin:
+    return RlAdmin(lambda: client, FakeRegistration())  # type: ignore[arg-type,return-value]
+
+
+BAD_LABELS = [
+    (math.nan, "finite"),
+    (math.inf, "finite"),
+    (-math.inf, "finite"),
+    ("v\x001", "control character U+0000"),
+    ("v1\nforged log line", "control character U+000A"),
+    ("v\u202e1", "format character U+202E"),
+    ("", "must not be empty"),
+    ("x" * 300, "more than the limit"),
+]
+
+
+@pytest.mark.parametrize(("value", "problem"), BAD_LABELS)
+async def test_bad_version_labels_are_refused_before_any_rpc(value: Any, problem: str) -> None:
+    client = FakeClient(paused=True)
+    admin = _admin(client)
+    for route, body in (
+        (admin.set_weight_version, {"weight_version": value}),
+        (admin.update_weights_from_disk, {"model_path": "/ckpt", "weight_version": value}),
+        (admin.update_weights_from_distributed, {"weight_version": value}),
+        (admin.update_weights_from_distributed, {"weights_path": "/c", "weight_version": value}),
+    ):
+        answer = await route(body)
+        assert answer["status"] == "error", answer
+        assert answer["message"].startswith("'weight_version' ") and problem in answer["message"]
+        json.dumps(answer, allow_nan=False)
+    assert client.rpcs == []
+
+
+async def test_good_version_labels_still_pass() -> None:
+    client = FakeClient()
+    admin = _admin(client)
+    assert await admin.set_weight_version({"weight_version": 7}) == {"status": "ok", "version": 7}
+    assert await admin.set_weight_version({"weight_version": "step-8 é"}) == {
+        "status": "ok",
+        "version": "step-8 é",
+    }
+    assert await admin.set_weight_version({"weight_version": 1.5}) == {
+        "status": "ok",
+        "version": 1.5,
+    }
+    labels = [r.weight_version for r in client.requests]
+    assert labels == ["7", "step-8 é", "1.5"]
+
+
+async def test_update_info_that_json_cannot_carry_is_refused() -> None:
+    client = FakeClient()
+    answer = await _admin(client).update_weights_from_distributed({"scale": math.inf})
+    assert answer["status"] == "error" and "JSON cannot carry" in answer["message"]
+    assert client.rpcs == []
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None, [], {}])
+async def test_clear_cache_must_be_a_boolean(value: Any) -> None:
+    client = FakeClient()
+    answer = await _admin(client).pause_generation({"mode": "wait", "clear_cache": value})
+    assert answer == {"status": "error", "message": "'clear_cache' must be a boolean"}
+    assert client.rpcs == []
+
+
+@pytest.mark.parametrize(("body", "expected"), [({}, False), ({"clear_cache": True}, True)])
+async def test_clear_cache_booleans_pass(body: dict[str, Any], expected: bool) -> None:
+    client = FakeClient()
+    answer = await _admin(client).pause_generation(body)
+    assert answer["status"] == "ok" and answer["clear_cache"] is expected
+    assert client.rpcs == ["PauseGeneration"]
+    assert client.requests[0].clear_cache is expected
