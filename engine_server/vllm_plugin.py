@@ -21,6 +21,13 @@ request on AMX machines. The plugin asks for the permission (through torch's
 own helper) in each vLLM process, the EngineCore included, before any kernel
 runs. It does nothing elsewhere (CUDA builds, CPUs without AMX).
 
+``register_gloo_weight_transfer``: registers ``gloo``
+(``engine_server.weight_transfer_gloo``), a weight-transfer backend over
+torch.distributed gloo, in vLLM's worker and trainer factories, so that
+``--weight-transfer-config '{"backend": "gloo"}'`` works in the engine's
+workers and a trainer that calls ``vllm.plugins.load_general_plugins()`` can
+send with it. Lazily: the module is imported only when an engine is created.
+
 Kept free of imports beyond the standard library until it runs: vLLM loads
 plugins in every process it starts.
 """
@@ -66,3 +73,23 @@ def request_amx_permission() -> None:
         return
     if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
         log.warning("the CPU reports AMX, but Linux refused the permission to use it")
+
+
+GLOO_BACKEND = "gloo"
+_GLOO_MODULE = "engine_server.weight_transfer_gloo"
+
+
+def register_gloo_weight_transfer() -> None:
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, class_name in (
+        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    ):
+        try:
+            factory.register_engine(GLOO_BACKEND, _GLOO_MODULE, class_name)
+        except ValueError:  # already there: registered before in this process
+            log.debug("%s already has a %r engine", factory.__name__, GLOO_BACKEND)

