@@ -1,0 +1,263 @@
+"""EngineLink: the bridge's hold on the one engine server at its address.
+
+That server can restart, be swapped or wedge while the bridge runs, so what the
+bridge knows of it (its info and instance, the transports it allows, whether it
+fits what the worker registered with Dynamo) is kept in one place and updated by
+one sequence, the same at start and after every change the watch or the KV
+stream reports. A server the worker cannot serve is refused: out of the router's
+pool, loudly, until a fitting one is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+import grpc
+
+import engine_contract
+from bridge import metrics
+from bridge.client import EngineClient, IncompatibleServerError, check_compatible
+from bridge.config import BridgeConfig
+from bridge.engine_watch import EngineWatch
+from bridge.registration import Registration
+from bridge.swap import unfollowable_changes
+from engine_contract.v1 import engine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+STREAMED = "multiplexed on a stream"
+UNARY = "one call each"
+
+
+class EngineLink:
+    """The client, the server's info and instance, and the transports chosen for it.
+    ``start()`` connects; ``note_instance()`` and the watch re-read the server."""
+
+    def __init__(self, config: BridgeConfig, registration: Registration) -> None:
+        self.config = config
+        self.registration = registration
+        self.client: EngineClient | None = None
+        self.info: pb.GetServerInfoResponse | None = None
+        self.instance_id = ""
+        # Why the engine server now at our address cannot be served (registration
+        # mismatch), if so: out of the pool until a fitting one is back.
+        self.unservable: str | None = None
+        self.stream_rollouts = False
+        self.stream_generates = False
+        self._registered: pb.GetServerInfoResponse | None = None
+        self._watch: EngineWatch | None = None
+        self._refreshing: asyncio.Task[None] | None = None
+        self._refresh_lock = asyncio.Lock()
+        self._server_info = metrics.EngineServerCollector(
+            lambda: (
+                config.engine_address,
+                self.instance_id,
+                self.info.backend_name if self.info is not None else "",
+            )
+        )
+
+    @property
+    def serving(self) -> bool:
+        """False while the server is wedged, gone or refused: fail requests fast."""
+        watch = self._watch
+        return self.unservable is None and (watch is None or watch.serving)
+
+    async def start(
+        self, worker_id: int, on_stalled: Callable[[], None]
+    ) -> pb.GetServerInfoResponse:
+        """Connect, wait for the server, watch its health (``on_stalled``: it stopped
+        answering for the stall timeout) and adopt it; raises EngineNotReadyError or
+        IncompatibleServerError. Returns the info the worker registers."""
+        cfg = self.config
+        metrics.REGISTRY.register(self._server_info)
+        log.info(
+            "worker %s: connecting to engine server at %s (waiting up to %.0fs)",
+            worker_id,
+            cfg.engine_address,
+            cfg.connect_timeout_s,
+        )
+        self.client = EngineClient(cfg.engine_address, cfg.client)
+        info = await self.client.wait_ready(cfg.connect_timeout_s)
+        self._watch = EngineWatch(
+            self.client,
+            self._engine_changed,
+            interval_s=cfg.watch_interval_s,
+            stall_timeout_s=cfg.stall_timeout_s,
+            on_stalled=on_stalled,
+            gone_after_s=cfg.exit_after_engine_gone_s,
+            on_gone=self._engine_gone,
+        )
+        self._watch.start()
+        self._adopt(self.client, info)
+        self._registered = info  # what Dynamo is told; a replacement must fit it
+        ec = info.engine_config
+        rollouts, completions = self._transports()
+        log.info(
+            "engine server %s ready: %s (%s %s, contract %d), context %d, block size %d, "
+            "rollouts %s, completions %s",
+            info.instance_id,
+            info.model_name,
+            info.backend_name,
+            info.backend_version,
+            info.contract_revision,
+            ec.context_length,
+            ec.kv_block_size,
+            rollouts,
+            completions,
+        )
+        return info
+
+    def _adopt(self, client: EngineClient, info: pb.GetServerInfoResponse) -> None:
+        """Serve ``info``'s server: its instance, its limits and the transports it
+        allows. Raises IncompatibleServerError (adopting nothing) when a transport
+        the flags require is one it lacks."""
+        stream_rollouts = self._choose_transport(
+            info,
+            self.config.rollout_transport,
+            "--rollout-transport",
+            "Rollouts",
+            engine_contract.ROLLOUTS_STREAM_REVISION,
+        )
+        stream_generates = self._choose_transport(
+            info,
+            self.config.generate_transport,
+            "--generate-transport",
+            "Generates",
+            engine_contract.GENERATES_STREAM_REVISION,
+        )
+        self.info, self.instance_id = info, info.instance_id
+        client.use_server_limits(info)
+        self.stream_rollouts, self.stream_generates = stream_rollouts, stream_generates
+
+    def _choose_transport(
+        self,
+        info: pb.GetServerInfoResponse,
+        transport: str,
+        flag: str,
+        stream: str,
+        revision: int,
+    ) -> bool:
+        """``transport`` (``flag``: auto|stream|unary) against a server: True to use
+        ``stream``, which servers serve from contract ``revision`` on."""
+        serves_stream = info.contract_revision >= revision
+        if transport == "stream" and not serves_stream:
+            raise IncompatibleServerError(
+                f"engine server at {self.config.engine_address} implements contract revision "
+                f"{info.contract_revision}, without the {stream} stream (revision "
+                f"{revision}) that {flag} stream needs: upgrade the engine server or use auto"
+            )
+        return transport == "stream" or (transport == "auto" and serves_stream)
+
+    def _transports(self) -> tuple[str, str]:
+        """How rollouts and completions travel, for the log."""
+        paced = self.client is not None and self.client.paced_generates
+        completions = (STREAMED + (", paced" if paced else "")) if self.stream_generates else UNARY
+        return (STREAMED if self.stream_rollouts else UNARY), completions
+
+    def note_instance(self, instance_id: str) -> None:
+        """Another instance answered (the KV stream, a rollout): re-read what it is (at
+        once: a fast restart may never fail a health probe)."""
+        if instance_id != self.instance_id:
+            log.info("engine server restarted: instance %s -> %s", self.instance_id, instance_id)
+            self.instance_id = instance_id
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.ensure_future(self._refresh_info())
+
+    async def _engine_changed(self, serving: bool, reason: str) -> None:
+        if serving:
+            metrics.RECONNECTS.inc()
+            await self._refresh_info()  # maybe another instance: adapt, or stay out
+            if self.unservable is None:
+                await self.registration.rejoin(reason)
+        else:
+            await self.registration.leave(reason)
+
+    async def _refresh_info(self) -> None:
+        """Re-read the engine server's info; adapt to a new instance, or leave the
+        pool (loudly) when Dynamo's registration cannot follow what changed."""
+        async with self._refresh_lock:  # the watch and the KV relay may both ask
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        client, old, registered = self.client, self.info, self._registered
+        if client is None or old is None or registered is None:
+            return
+        was_unservable = self.unservable is not None
+        try:
+            info = await client.server_info()
+            check_compatible(info, client.address)
+            if info.instance_id == old.instance_id and not was_unservable:
+                return
+            changes = unfollowable_changes(
+                registered,
+                info,
+                name_pinned=bool(self.config.served_model_name),
+                kv_routing=self.config.kv_events,
+            )
+            if changes:
+                raise IncompatibleServerError(
+                    f"the engine server at {client.address} (instance {info.instance_id}) "
+                    f"differs from what this worker registered: {'; '.join(changes)}. Dynamo "
+                    "cannot follow that; restart the bridge to register it"
+                )
+            self._adopt(client, info)
+        except grpc.aio.AioRpcError:
+            return  # not answering (yet): the watch will tell
+        except IncompatibleServerError as e:
+            await self._refuse(str(e))
+            return
+        self.unservable = None
+        metrics.INSTANCE_CHANGES.inc()
+        rollouts, completions = self._transports()
+        log.info(
+            "engine server replaced: instance %s -> %s (%s %s, contract %d, rollouts %s, "
+            "completions %s)",
+            old.instance_id,
+            info.instance_id,
+            info.backend_name,
+            info.backend_version,
+            info.contract_revision,
+            rollouts,
+            completions,
+        )
+        if was_unservable and self.serving:
+            # Back in the pool now: a quick swap may never fail a health probe, so
+            # the watch would not tell.
+            await self.registration.rejoin(f"a fitting engine server is back at {client.address}")
+
+    async def _refuse(self, why: str) -> None:
+        if self.unservable != why:
+            log.error("%s; out of the router's pool", why)
+        self.unservable = why
+        await self.registration.leave(why)
+
+    def _engine_gone(self) -> None:
+        log.error(
+            "engine server at %s unreachable for %.0fs: exiting (--exit-after-engine-gone)",
+            self.config.engine_address,
+            self.config.exit_after_engine_gone_s or 0,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)  # Dynamo's orderly shutdown: leave discovery
+
+    async def stop_following(self) -> None:
+        """No more re-reads or health reactions (the worker is shutting down)."""
+        with contextlib.suppress(KeyError):
+            metrics.REGISTRY.unregister(self._server_info)
+        refreshing, self._refreshing = self._refreshing, None
+        if refreshing is not None:
+            refreshing.cancel()
+            await asyncio.gather(refreshing, return_exceptions=True)
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            await watch.stop()
+
+    async def close(self) -> None:
+        """Close the channel (after ``stop_following``); idempotent."""
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
