@@ -13,15 +13,15 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import engine_contract
 from bridge.generate_mux import GenerateMux, PendingGenerate
+from bridge.refit_rpc import RefitRpc
 from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
-from bridge.tls import TlsOptions, diagnose
+from bridge.tls import TlsOptions, aio_channel, diagnose
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
@@ -114,13 +114,13 @@ class EngineClient:
     def __init__(self, address: str, options: ClientOptions | None = None) -> None:
         self.address = address
         self.options = options or ClientOptions()
-        tls, channel_options = self.options.tls, self.options.channel_options()
-        self._channel: grpc.aio.Channel | None = (
-            grpc.aio.secure_channel(address, tls.credentials(), options=channel_options)
-            if tls
-            else grpc.aio.insecure_channel(address, options=channel_options)
+        self._channel: grpc.aio.Channel | None = aio_channel(
+            address, self.options.tls, self.options.channel_options()
         )
         self._stub = pb_grpc.EngineServiceStub(self._channel)
+        # The refit cycle's RPCs, typed. No deadline: a WAIT pause lasts until the
+        # requests in flight finish, and a large checkpoint takes its time to load.
+        self.refit = RefitRpc(self._stub)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._rollouts = RolloutMux(
             lambda: self._stub.Rollouts(wait_for_ready=False), self.options.max_message_bytes
@@ -261,12 +261,6 @@ class EngineClient:
 
     def subscribe_kv_events(self, request: pb.SubscribeKvEventsRequest) -> grpc.aio.UnaryStreamCall:
         return self._stub.SubscribeKvEvents(request, wait_for_ready=True)
-
-    async def refit(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """One refit-cycle RPC by name (``PauseGeneration``, ``UpdateWeightsFromPath``,
-        ...). No deadline by default: a WAIT pause lasts until the requests in
-        flight finish, and a large checkpoint takes its time to load."""
-        return await getattr(self._stub, method)(request, timeout=timeout)
 
     async def get_load(self) -> pb.GetLoadResponse:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.options.control_timeout_s)

@@ -9,8 +9,9 @@ Two ways in, the same cycle and the same report:
   given, or read as a bridge reads it, ``$BRIDGE_ADMIN_TOKEN_FILE`` or
   ``$BRIDGE_ADMIN_TOKEN``) as ``Authorization: Bearer``.
 - ``EngineRefitClient(engine_addresses)``: over the engine servers' contract
-  (gRPC); the new weights come from a folder or are streamed from the
-  trainer's memory (``engine_contract.tensors``), no shared filesystem needed.
+  (gRPC, ``bridge.refit_rpc``; TLS as the bridge's with ``tls=``); the new
+  weights come from a folder or are streamed from the trainer's memory
+  (``engine_contract.tensors``), no shared filesystem needed.
 
 A step pauses all workers (concurrently), updates all, and resumes those whose
 update succeeded. A worker whose update failed stays paused on its old weights
@@ -23,21 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import grpc
 
 from bridge.admin_auth import AdminToken
+from bridge.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
+from bridge.tls import TlsOptions
+from engine_contract.refit_rules import pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
-from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
-PAUSE_MODES = ("wait", "abort", "keep")
-_PAUSE_PB = {"wait": pb.PAUSE_MODE_WAIT, "abort": pb.PAUSE_MODE_ABORT, "keep": pb.PAUSE_MODE_KEEP}
+T = TypeVar("T")
 
 
 @dataclass
@@ -104,8 +107,7 @@ class _Cycle:
         clear_cache: bool,
         update: Callable[[str], Awaitable[str | None]],
     ) -> RefitReport:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        pause_mode(mode)  # ValueError naming the modes, before any call
         started = time.monotonic()
         report = RefitReport(version, [WorkerRefit(w) for w in workers])
 
@@ -247,21 +249,25 @@ class RefitClient(_Cycle):
 
 
 class EngineRefitClient(_Cycle):
-    """The cycle over engine servers' contract (gRPC), weights streamed or from a folder."""
+    """The cycle over engine servers' contract (gRPC), weights streamed or from a folder.
+
+    ``tls``: TLS to the engine servers, as the bridge's ``--engine-tls-*`` options
+    (a CA, and a client certificate and key for an mTLS engine server); None:
+    plaintext. Open it inside the event loop that uses it."""
 
     def __init__(
-        self, engine_addresses: Sequence[str], *, max_message_bytes: int = 64 << 20
+        self,
+        engine_addresses: Sequence[str],
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: TlsOptions | None = None,
     ) -> None:
         if not engine_addresses:
             raise ValueError("no engine server addresses")
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ]
-        self._channels = {
-            a: grpc.aio.insecure_channel(a, options=options) for a in engine_addresses
+        self._engines = {
+            a: RefitRpc.connect(a, tls=tls, max_message_bytes=max_message_bytes)
+            for a in engine_addresses
         }
-        self._stubs = {a: pb_grpc.EngineServiceStub(c) for a, c in self._channels.items()}
         self._chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
 
     async def __aenter__(self) -> EngineRefitClient:
@@ -271,15 +277,15 @@ class EngineRefitClient(_Cycle):
         await self.close()
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._channels.values()))
+        await asyncio.gather(*(engine.close() for engine in self._engines.values()))
 
     async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
-        await self._stubs[worker].PauseGeneration(
-            pb.PauseGenerationRequest(mode=_PAUSE_PB[mode], clear_cache=clear_cache)
+        await self._engines[worker].pause_generation(
+            pb.PauseGenerationRequest(mode=pause_mode(mode), clear_cache=clear_cache)
         )
 
     async def _resume(self, worker: str) -> None:
-        await self._stubs[worker].ResumeGeneration(pb.ResumeGenerationRequest())
+        await self._engines[worker].resume_generation()
 
     async def refit(
         self,
@@ -296,24 +302,24 @@ class EngineRefitClient(_Cycle):
             raise ValueError("give either tensors or path")
 
         async def update(worker: str) -> str | None:
-            stub = self._stubs[worker]
+            engine = self._engines[worker]
             if tensors is not None:
                 requests = update_requests(
                     tensors, weight_version=version, chunk_bytes=self._chunk_bytes
                 )
-                answer = await stub.UpdateWeightsFromTensors(requests)
-            else:
-                answer = await stub.UpdateWeightsFromPath(
-                    pb.UpdateWeightsFromPathRequest(
-                        path=path, options=pb.WeightUpdateOptions(weight_version=version)
-                    )
+                streamed = await engine.update_weights_from_tensors(requests)
+                return str(streamed.result.weight_version)
+            loaded = await engine.update_weights_from_path(
+                pb.UpdateWeightsFromPathRequest(
+                    path=path, options=pb.WeightUpdateOptions(weight_version=version)
                 )
-            return str(answer.result.weight_version)
+            )
+            return str(loaded.result.weight_version)
 
-        return await self._run(list(self._stubs), version, mode, clear_cache, update)
+        return await self._run(list(self._engines), version, mode, clear_cache, update)
 
     async def resume(self, workers: Sequence[str] | None = None) -> None:
-        await asyncio.gather(*(self._resume(w) for w in workers or list(self._stubs)))
+        await asyncio.gather(*(self._resume(w) for w in workers or list(self._engines)))
 
 
 class ContractWeightSyncClient:
@@ -328,7 +334,9 @@ class ContractWeightSyncClient:
 
     The engine server refuses the update unless generation is paused (or
     ``allow_unpaused``); ``weight_version`` is set when the update finishes.
-    Blocking calls, as vLLM's trainer engines make them (from their threads).
+    ``tls``: as ``EngineRefitClient``'s. Blocking calls, as vLLM's trainer engines
+    make them (from their threads): each runs the typed ``RefitRpc`` on an event
+    loop of the client's own (a thread), so calls from several threads overlap.
     """
 
     def __init__(
@@ -338,43 +346,58 @@ class ContractWeightSyncClient:
         weight_version: str | None = None,
         allow_unpaused: bool = False,
         timeout_s: float | None = None,
+        tls: TlsOptions | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(address)
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
         self.weight_version = weight_version
         self.allow_unpaused = allow_unpaused
-        self._timeout = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="contract-weight-sync", daemon=True
+        )
+        self._thread.start()
+
+        async def connect() -> RefitRpc:  # the channel belongs to the client's loop
+            return RefitRpc.connect(address, tls=tls, timeout_s=timeout_s)
+
+        self._rpc = self._call(connect())
+
+    def _call(self, call: Awaitable[T]) -> T:
+        async def run() -> T:
+            return await call
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
     def close(self) -> None:
-        self._channel.close()
+        if self._loop.is_closed():
+            return
+        self._call(self._rpc.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._stub.InitWeightTransferEngine(
-            pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode()),
-            timeout=self._timeout,
+        self._call(
+            self._rpc.init_weight_transfer_engine(
+                pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode())
+            )
         )
 
     def start_weight_update(self) -> None:
         options = pb.WeightUpdateOptions(allow_unpaused=self.allow_unpaused)
-        if self.allow_unpaused:
-            options.reset_prefix_cache = False
-        self._stub.StartWeightUpdate(
-            pb.StartWeightUpdateRequest(options=options), timeout=self._timeout
-        )
+        self._call(self._rpc.start_weight_update(pb.StartWeightUpdateRequest(options=options)))
 
     def update_weights(self, update_info: Any) -> None:
-        self._stub.UpdateWeights(
-            pb.UpdateWeightsRequest(update_info_json=json.dumps(update_info).encode()),
-            timeout=self._timeout,
+        self._call(
+            self._rpc.update_weights(
+                pb.UpdateWeightsRequest(update_info_json=json.dumps(update_info).encode())
+            )
         )
 
     def finish_weight_update(self) -> None:
         request = pb.FinishWeightUpdateRequest()
         if self.weight_version is not None:
             request.weight_version = self.weight_version
-        self._stub.FinishWeightUpdate(request, timeout=self._timeout)
+        self._call(self._rpc.finish_weight_update(request))
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._stub.ShutdownWeightTransferEngine(
-            pb.ShutdownWeightTransferEngineRequest(), timeout=self._timeout
-        )
+        self._call(self._rpc.shutdown_weight_transfer_engine())

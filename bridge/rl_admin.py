@@ -4,9 +4,13 @@ Same names, request bodies and answer shapes as dynamo.vllm 1.6.1, so that a
 trainer that drives Dynamo's vLLM worker (NeMo RL's managed Dynamo backend)
 drives this worker unchanged. Every answer carries ``"status": "ok"|"error"``
 and errors a ``"message"``; a bad body is an error answer and the engine keeps
-serving. Each route is one or a few contract RPCs; the engine server holds the
-rules (one lock for pause, resume, updates, sleep and wake; updates refused
-unless paused; versions set only on success).
+serving. Each route is one or a few contract RPCs (``bridge.refit_rpc``); the
+engine server holds the rules (one lock for pause, resume, updates, sleep and
+wake; updates refused unless paused, and an unpaused one may not reset the
+prefix cache; versions set only on success) and refuses in dynamo.vllm's words,
+which a route passes on. Where dynamo.vllm answers a refusal before looking at
+the rest of the body, the route asks the same rules first
+(``engine_contract.refit_rules``), so the answers come in dynamo.vllm's order.
 
 Differences from dynamo.vllm, all in the direction of more: ``set_weight_version``
 labels the engine's tokens (each result's ``weight_versions``), not only the
@@ -29,8 +33,16 @@ import grpc
 
 from bridge.client import EngineClient
 from bridge.codec import clip
+from bridge.refit_rpc import RefitRpc
 from bridge.registration import Registration
 from engine_contract.labels import label_problem
+from engine_contract.refit_rules import (
+    PAUSE_MODE_CHOICES,
+    PAUSE_MODES,
+    UpdateRefusal,
+    needs_pause,
+    update_refusal,
+)
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -38,11 +50,6 @@ log = logging.getLogger(__name__)
 Body = dict[str, Any]
 Route = Callable[[Any], Awaitable[Body]]
 
-PAUSE_MODES = {"keep": pb.PAUSE_MODE_KEEP, "wait": pb.PAUSE_MODE_WAIT, "abort": pb.PAUSE_MODE_ABORT}
-NOT_PAUSED = (
-    "Worker must be paused via pause_generation() before updating weights. Call "
-    "pause_generation() first, then update, then resume_generation()."
-)
 # Keys of update_weights_from_distributed that are not the engine's own.
 _RESERVED = ("allow_unpaused", "engine_rpc", "reset_prefix_cache", "weight_version")
 _PATH_KEYS = ("weights_path", "model_path", "path")
@@ -114,6 +121,12 @@ def _updated(body: Body) -> Body:
     }
 
 
+def _refuse(refusal: UpdateRefusal | None) -> None:
+    """The engine server's own answer to an update the rules refuse, before any RPC."""
+    if refusal is not None:
+        raise RouteError(refusal.value)
+
+
 def _bool(body: Body, key: str, default: bool) -> bool:
     value = body.get(key, default)
     if not isinstance(value, bool):
@@ -159,28 +172,23 @@ class RlAdmin:
             raise RouteError("the bridge is not connected to its engine server")
         return client
 
-    async def _rpc(self, method: str, request: Any) -> Any:
-        return await self._engine().refit(method, request)
+    def _refit(self) -> RefitRpc:
+        return self._engine().refit
 
-    async def _paused(self) -> bool:
-        return bool((await self._rpc("IsPaused", pb.IsPausedRequest())).paused)
+    async def _check_paused(self, options: pb.WeightUpdateOptions) -> None:
+        """dynamo.vllm's "not paused" answer before anything else of the body; the
+        engine server refuses the same (a pause ending meanwhile) in the same words."""
+        if needs_pause(options):
+            paused = (await self._refit().is_paused()).paused
+            _refuse(update_refusal(options, paused=paused))
 
     async def _version_state(self) -> Body:
-        answer = await self._rpc("GetWeightVersion", pb.GetWeightVersionRequest())
+        answer = await self._refit().get_weight_version()
         declared = bool(answer.declared)
         return {
             "version": answer.weight_version if declared else None,
             "version_declared": declared,
         }
-
-    async def _update(self, method: str, request: Any) -> Any:
-        """An update RPC; "not paused" answers in dynamo.vllm's words."""
-        try:
-            return await self._rpc(method, request)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not await self._paused():
-                raise RouteError(NOT_PAUSED) from e
-            raise
 
     # -- generation ----------------------------------------------------------
 
@@ -200,11 +208,10 @@ class RlAdmin:
         mode = body.get("mode", "keep")
         if not isinstance(mode, str) or mode not in PAUSE_MODES:
             shown = mode if isinstance(mode, str) and len(mode) <= 40 else clip(mode)
-            raise RouteError(f"Invalid mode '{shown}'; expected keep|wait|abort")
+            raise RouteError(f"Invalid mode '{shown}'; expected {PAUSE_MODE_CHOICES}")
         clear_cache = _bool(body, "clear_cache", False)
-        await self._rpc(
-            "PauseGeneration",
-            pb.PauseGenerationRequest(mode=PAUSE_MODES[mode], clear_cache=clear_cache),
+        await self._refit().pause_generation(
+            pb.PauseGenerationRequest(mode=PAUSE_MODES[mode], clear_cache=clear_cache)
         )
         log.info("engine paused (mode=%s, clear_cache=%s)", mode, clear_cache)
         return {
@@ -216,13 +223,13 @@ class RlAdmin:
 
     @_route
     async def resume_generation(self, body: Body) -> Body:
-        await self._rpc("ResumeGeneration", pb.ResumeGenerationRequest())
+        await self._refit().resume_generation()
         log.info("engine resumed")
         return {"status": "ok", "message": "Engine resumed"}
 
     @_route
     async def flush_cache(self, body: Body) -> Body:
-        await self._rpc("ResetPrefixCache", pb.ResetPrefixCacheRequest())
+        await self._refit().reset_prefix_cache()
         return {"status": "ok", "message": "Cache flushed"}
 
     @_route
@@ -242,8 +249,8 @@ class RlAdmin:
         # A bad label before any RPC; otherwise dynamo.vllm's order: "not paused"
         # before anything else about the body.
         version = _version(body["weight_version"]) if "weight_version" in body else None
-        if not await self._paused():
-            raise RouteError(NOT_PAUSED)
+        options = pb.WeightUpdateOptions()
+        await self._check_paused(options)
         path = body.get("model_path")
         if not path:
             raise RouteError("Missing 'model_path' in body")
@@ -255,46 +262,42 @@ class RlAdmin:
                 f"engine_rpc {clip(engine_rpc)} is not supported: this worker's engine server "
                 "loads checkpoints with reload_weights"
             )
-        options = pb.WeightUpdateOptions()
         if version is not None:
             options.weight_version = version
-        await self._update(
-            "UpdateWeightsFromPath", pb.UpdateWeightsFromPathRequest(path=path, options=options)
+        await self._refit().update_weights_from_path(
+            pb.UpdateWeightsFromPathRequest(path=path, options=options)
         )
         return _updated(body)
 
     @_route
     async def update_weights_from_distributed(self, body: Body) -> Body:
-        allow_unpaused = _bool(body, "allow_unpaused", False)
-        reset = _bool(body, "reset_prefix_cache", True)
-        if allow_unpaused and reset:
-            raise RouteError(
-                "Unpaused weight updates cannot reset the prefix cache. Set "
-                "'reset_prefix_cache' to false or pause generation first."
-            )
+        options = pb.WeightUpdateOptions(
+            allow_unpaused=_bool(body, "allow_unpaused", False),
+            reset_prefix_cache=_bool(body, "reset_prefix_cache", True),
+        )
+        # dynamo.vllm's order: the options' own rule, the body, then "not paused".
+        _refuse(update_refusal(options))
         version = _version(body["weight_version"]) if "weight_version" in body else None
         kwargs = {k: v for k, v in body.items() if k not in _RESERVED}
         update_info = _json(kwargs)
-        if not allow_unpaused and not await self._paused():
-            raise RouteError(NOT_PAUSED)
-        options = pb.WeightUpdateOptions(allow_unpaused=allow_unpaused, reset_prefix_cache=reset)
+        await self._check_paused(options)
+        refit = self._refit()
         path = next((kwargs[k] for k in _PATH_KEYS if isinstance(kwargs.get(k), str)), None)
         if path is not None:
             if version is not None:
                 options.weight_version = version
-            await self._update(
-                "UpdateWeightsFromPath", pb.UpdateWeightsFromPathRequest(path=path, options=options)
+            await refit.update_weights_from_path(
+                pb.UpdateWeightsFromPathRequest(path=path, options=options)
             )
         else:
-            await self._update("StartWeightUpdate", pb.StartWeightUpdateRequest(options=options))
-            await self._rpc(
-                "UpdateWeights",
-                pb.UpdateWeightsRequest(update_info_json=update_info.encode()),
+            await refit.start_weight_update(pb.StartWeightUpdateRequest(options=options))
+            await refit.update_weights(
+                pb.UpdateWeightsRequest(update_info_json=update_info.encode())
             )
             finish = pb.FinishWeightUpdateRequest()
             if version is not None:
                 finish.weight_version = version
-            await self._rpc("FinishWeightUpdate", finish)
+            await refit.finish_weight_update(finish)
         return _updated(body)
 
     @_route
@@ -307,15 +310,14 @@ class RlAdmin:
     @_route
     async def init_weights_update_group(self, body: Body) -> Body:
         info = {k: v for k, v in body.items() if k != "engine_rpc"}
-        await self._rpc(
-            "InitWeightTransferEngine",
-            pb.InitWeightTransferEngineRequest(init_info_json=_json(info).encode()),
+        await self._refit().init_weight_transfer_engine(
+            pb.InitWeightTransferEngineRequest(init_info_json=_json(info).encode())
         )
         return {"status": "ok", "message": "Weight update group initialized"}
 
     @_route
     async def destroy_weights_update_group(self, body: Body) -> Body:
-        await self._rpc("ShutdownWeightTransferEngine", pb.ShutdownWeightTransferEngineRequest())
+        await self._refit().shutdown_weight_transfer_engine()
         return {"status": "ok", "message": "Weight update group destroyed"}
 
     @_route
@@ -328,7 +330,9 @@ class RlAdmin:
             raise RouteError("Missing 'weight_version' in body")
         value = body["weight_version"]
         label = _version(value)
-        await self._rpc("UpdateWeightVersion", pb.UpdateWeightVersionRequest(weight_version=label))
+        await self._refit().update_weight_version(
+            pb.UpdateWeightVersionRequest(weight_version=label)
+        )
         return {"status": "ok", "version": value}
 
     # -- sleep --------------------------------------------------------------------
@@ -338,12 +342,13 @@ class RlAdmin:
         level = body.get("level", 1)
         if isinstance(level, bool) or not isinstance(level, int):
             raise RouteError(f"'level' must be an integer, got {clip(level)}")
-        if (await self._rpc("IsSleeping", pb.IsSleepingRequest())).sleeping:
+        refit = self._refit()
+        if (await refit.is_sleeping()).sleeping:
             return {"status": "ok", "message": "Engine already sleeping"}
         # Out of the pool first: no request should be routed to a sleeping engine.
         await self._registration.leave("the engine goes to sleep")
         try:
-            await self._rpc("Sleep", pb.SleepRequest(level=level, mode=pb.PAUSE_MODE_ABORT))
+            await refit.sleep(pb.SleepRequest(level=level, mode=pb.PAUSE_MODE_ABORT))
         except BaseException:
             await self._registration.rejoin("the engine did not go to sleep")
             raise
@@ -356,9 +361,10 @@ class RlAdmin:
             not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)
         ):
             raise RouteError(f"'tags' must be a list of strings, got {clip(tags)}")
-        if not (await self._rpc("IsSleeping", pb.IsSleepingRequest())).sleeping:
+        refit = self._refit()
+        if not (await refit.is_sleeping()).sleeping:
             return {"status": "ok", "message": "Engine already awake"}
-        answer = await self._rpc("WakeUp", pb.WakeUpRequest(tags=tags or []))
+        answer = await refit.wake_up(pb.WakeUpRequest(tags=tags or []))
         if not answer.awake:
             return {"status": "ok", "message": "Engine partially awake", "is_sleeping": True}
         await self._registration.rejoin("the engine woke up")

@@ -94,6 +94,16 @@ class TlsOptions:
         return ", ".join(parts)
 
 
+def aio_channel(
+    address: str, tls: TlsOptions | None, options: list[tuple[str, int | str]]
+) -> grpc.aio.Channel:
+    """A channel to an engine server: TLS with ``tls``, plaintext without (loopback
+    and unix sockets). ``options`` include ``tls.channel_options()``."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+
 def _host_port(address: str) -> tuple[str, int] | None:
     if address.startswith(("unix:", "unix-abstract:")):
         return None

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from engine_server.backends import BACKENDS, load_backend_class
 from engine_server.backends.base import EngineBackend
-from engine_server.config import GenerationDefaults, Limits, ServerConfig, TlsConfig
+from engine_server.config import (
+    GenerationDefaults,
+    Limits,
+    RefitConfig,
+    ServerConfig,
+    TlsConfig,
+)
 from engine_server.generation_config import GenerationConfig, load_generation_config
 from engine_server.server import EngineServerHandle, start_server
 
@@ -147,6 +153,36 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
         "update and ResumeGeneration (an engine restarted mid-training then never "
         "serves weights older than the trainer's)",
     )
+    refit = parser.add_argument_group(
+        "weight updates (no refit call holds the refit lock, and so a pause, for good)"
+    )
+    refit.add_argument(
+        "--refit-check-timeout-s",
+        type=float,
+        default=RefitConfig.check_timeout_s,
+        help="the longest reading a checkpoint folder's headers may take before anything "
+        "loads (a hung mount); past it the update is refused and the old weights still "
+        "serve (default: %(default)s)",
+    )
+    refit.add_argument(
+        "--refit-timeout-s",
+        type=float,
+        default=RefitConfig.timeout_s,
+        help="the longest one refit call's engine work may take: a load from a path, a "
+        "streamed update from manifest to commit, each weight-transfer phase; past it "
+        "while still receiving, the update is refused, while the engine loads, its "
+        "weights are unknown and the server stops serving (default: %(default)s)",
+    )
+    refit.add_argument(
+        "--weights-allowed-dir",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder weight updates may load from (repeatable); a path is resolved "
+        "(symlinks, ..) and must lie inside one; PERMISSION_DENIED otherwise "
+        "(default: any folder)",
+    )
     srv.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes)
     srv.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
     adm = parser.add_argument_group(
@@ -272,6 +308,11 @@ def _server_config(
         start_paused=args.start_paused,
         metrics_port=args.metrics_port,
         kv_replay_batches=args.kv_replay_batches,
+        refit=RefitConfig(
+            check_timeout_s=args.refit_check_timeout_s,
+            timeout_s=args.refit_timeout_s,
+            allowed_dirs=tuple(args.weights_allowed_dir),
+        ),
     )
 
 

@@ -78,6 +78,30 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class RefitConfig:
+    """Bounds on the refit cycle: no refit call holds the refit lock (and so the
+    pause, every rollout waiting at the gate) for good."""
+
+    # Reading a checkpoint folder's headers before anything loads (a hung mount):
+    # past it the update is refused, the old weights still serve.
+    check_timeout_s: float = 60.0
+    # Any one refit call's engine work: a path load, a streamed update from its
+    # manifest to its commit, each weight-transfer phase.
+    timeout_s: float = 1800.0
+    # Folders a weight update may load from (a path resolved, symlinks and ``..``
+    # followed, must lie inside one); empty: any.
+    allowed_dirs: tuple[Path, ...] = ()
+
+    def __post_init__(self) -> None:
+        for value, what in (
+            (self.check_timeout_s, "refit check timeout (--refit-check-timeout-s)"),
+            (self.timeout_s, "refit timeout (--refit-timeout-s)"),
+        ):
+            if not value > 0:  # no "off": an unbounded refit call is the hang this prevents
+                raise ValueError(f"{what} must be > 0 s, got {value}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     # host:port ("127.0.0.1:0" picks a free port) or unix:PATH.
     listen: str = "127.0.0.1:50051"
@@ -116,6 +140,7 @@ class ServerConfig:
     # HOST being the gRPC listener's (loopback for a unix socket), so that metrics
     # are reachable from elsewhere only where the contract is (allow_remote).
     metrics_port: int | None = None
+    refit: RefitConfig = field(default_factory=RefitConfig)
 
     def __post_init__(self) -> None:
         """The same checks for ``serve(backend, ServerConfig(...))`` as for the CLI."""

@@ -74,7 +74,10 @@ class ServerCore:
             config.limits.max_message_bytes,
         )
         self.refit = RefitControl(
-            backend, self.registry, idle_timeout_s=config.stream_write_timeout_s
+            backend,
+            self.registry,
+            idle_timeout_s=config.stream_write_timeout_s,
+            config=config.refit,
         )
         self._serving: Serving | None = None
         self.draining = False

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from engine_contract.refit_rules import UpdateRefusal
+
 
 class ServerError(Exception):
     """A failure answered with a gRPC status; the message names what is wrong."""
@@ -93,6 +95,33 @@ class RefitRefused(ServerError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+# The refit rules' refusals (engine_contract.refit_rules): each message is the
+# answer the RL routes give, in dynamo.vllm's words; the bridge passes it on.
+
+
+class NotPaused(RefitRefused):
+    """A weight update while generation runs (and not ``allow_unpaused``)."""
+
+    def __init__(self) -> None:
+        super().__init__(UpdateRefusal.NOT_PAUSED.value)
+
+
+class UnpausedCacheReset(ServerError):
+    """An ``allow_unpaused`` update that asks for a prefix-cache reset (running
+    requests hold the cache): refused whatever the state."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self) -> None:
+        super().__init__(UpdateRefusal.UNPAUSED_CACHE_RESET.value)
+
+
+UPDATE_REFUSALS: dict[UpdateRefusal, type[ServerError]] = {
+    UpdateRefusal.NOT_PAUSED: NotPaused,
+    UpdateRefusal.UNPAUSED_CACHE_RESET: UnpausedCacheReset,
+}
+
+
 class StreamStalled(ServerError):
     """The client stopped reading a stream: one write waited past the watchdog."""
 
@@ -109,3 +138,18 @@ class UpdateStalled(ServerError):
     """A streamed weight update went silent past the watchdog (nothing loaded)."""
 
     code = grpc.StatusCode.ABORTED
+
+
+class RefitTimedOut(ServerError):
+    """A refit step ran past the server's refit deadline before anything loaded
+    (the message says which deadline and flag): the old weights still serve, and
+    the same call may succeed later."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class WeightsPathDenied(ServerError):
+    """A weight update's path lies outside the folders the server may load from
+    (--weights-allowed-dir): the caller lacks the right, the request is well formed."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

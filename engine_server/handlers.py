@@ -20,6 +20,7 @@ from google.protobuf import message as protobuf_message
 from google.protobuf import message_factory
 
 from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EngineService"]
 
@@ -55,15 +56,54 @@ _HANDLER_KINDS = {
 }
 
 
-def add_engine_servicer(servicer: object, server: grpc.aio.Server) -> None:
+def _servicer_methods(servicer: pb_grpc.EngineServiceServicer) -> dict[str, Callable[..., Any]]:
+    """The servicer's method for each RPC, named as the attributes they are (no
+    lookup by name: the type checker sees each one)."""
+    s = servicer
+    return {
+        "GetServerInfo": s.GetServerInfo,
+        "Rollout": s.Rollout,
+        "Rollouts": s.Rollouts,
+        "Generate": s.Generate,
+        "Generates": s.Generates,
+        "Abort": s.Abort,
+        "SubscribeKvEvents": s.SubscribeKvEvents,
+        "ResetPrefixCache": s.ResetPrefixCache,
+        "GetLoad": s.GetLoad,
+        "PauseGeneration": s.PauseGeneration,
+        "ResumeGeneration": s.ResumeGeneration,
+        "IsPaused": s.IsPaused,
+        "UpdateWeightsFromPath": s.UpdateWeightsFromPath,
+        "UpdateWeightsFromTensors": s.UpdateWeightsFromTensors,
+        "InitWeightTransferEngine": s.InitWeightTransferEngine,
+        "StartWeightUpdate": s.StartWeightUpdate,
+        "UpdateWeights": s.UpdateWeights,
+        "FinishWeightUpdate": s.FinishWeightUpdate,
+        "ShutdownWeightTransferEngine": s.ShutdownWeightTransferEngine,
+        "GetWeightVersion": s.GetWeightVersion,
+        "UpdateWeightVersion": s.UpdateWeightVersion,
+        "Sleep": s.Sleep,
+        "WakeUp": s.WakeUp,
+        "IsSleeping": s.IsSleeping,
+    }
+
+
+def add_engine_servicer(servicer: pb_grpc.EngineServiceServicer, server: grpc.aio.Server) -> None:
     """Serve ``servicer``'s methods (one per EngineService RPC) on ``server``."""
+    methods = _servicer_methods(servicer)
+    served = {method.name for method in SERVICE.methods}
+    if served != methods.keys():
+        raise RuntimeError(
+            f"EngineService's RPCs and the servicer's methods differ: "
+            f"{sorted(served.symmetric_difference(methods))}"
+        )
     handlers = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            methods[method.name],
             request_deserializer=_tolerant_parser(request_cls),
             response_serializer=response_cls.SerializeToString,
         )

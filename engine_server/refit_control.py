@@ -12,10 +12,18 @@ engine (``backends/refit.py``). What lives here:
   ABORTED "aborted by a pause" (retryable), never a partial result that looks
   finished.
 - **Updates** are refused unless paused (or ``allow_unpaused``, which then
-  forbids the cache reset, as dynamo.vllm rules); the version is set only when
+  forbids the cache reset, as dynamo.vllm rules: ``engine_contract.refit_rules``,
+  refused in the RL routes' words); the version is set only when
   the whole update succeeded; the prefix cache is reset after loading, and the
   reset reaches the KV-event stream at once.
 - **Versions**: the label serving now, and whether anyone declared one.
+- **Deadlines** (``RefitConfig``): no refit call holds the lock for good. A path
+  is resolved, held to the allowed folders and its headers read (in a thread,
+  under the check deadline) before the backend sees it: anything wrong there,
+  the deadline included, is a refusal. Past the refit deadline, a step that had
+  loaded nothing (a stream still arriving, a transfer engine starting) is
+  refused; one that was loading leaves the weights unknown (``broken``), and
+  the answer says so. Either way the lock is released.
 """
 
 from __future__ import annotations
@@ -24,26 +32,38 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from pathlib import Path
 from typing import Any, TypeVar
 
+from engine_contract import refit_rules
+from engine_contract.labels import label_problem
 from engine_contract.tensors import TENSOR_DTYPE_NAMES
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.backends.base import EngineBackend
+from engine_server.backends.checkpoint import checkpoint_schema
 from engine_server.backends.refit import (
     PauseMode,
     RefitUnsupported,
     TensorSpec,
     WeightLoad,
     WeightUpdateError,
+    WeightWriter,
 )
+from engine_server.config import RefitConfig
 from engine_server.errors import (
+    UPDATE_REFUSALS,
     EngineFailed,
+    EngineUnavailable,
     InvalidRequest,
     RefitRefused,
+    RefitTimedOut,
     ServerError,
     UpdateStalled,
+    WeightsPathDenied,
     clip,
 )
 from engine_server.handlers import Undecodable
@@ -53,22 +73,14 @@ from engine_server.registry import ActiveRequest, RequestRegistry
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PAUSE_MODES = {
-    pb.PAUSE_MODE_UNSPECIFIED: PauseMode.ABORT,  # as vLLM
-    pb.PAUSE_MODE_ABORT: PauseMode.ABORT,
-    pb.PAUSE_MODE_WAIT: PauseMode.WAIT,
-    pb.PAUSE_MODE_KEEP: PauseMode.KEEP,
-}
-PAUSE_MODE_PB = {
-    PauseMode.ABORT: pb.PAUSE_MODE_ABORT,
-    PauseMode.WAIT: pb.PAUSE_MODE_WAIT,
-    PauseMode.KEEP: pb.PAUSE_MODE_KEEP,
-}
+# The contract's pause modes (engine_contract.refit_rules: UNSPECIFIED is ABORT,
+# as in vLLM) as the backends' PauseMode, which carries the same names.
+PAUSE_MODES = {value: PauseMode(name) for value, name in refit_rules.PAUSE_MODE_NAMES.items()}
+PAUSE_MODE_PB = {PauseMode(name): value for name, value in refit_rules.PAUSE_MODES.items()}
 # Lengths of the refit cycle's strings: a path (PATH_MAX), a checkpoint's tensor
-# name, a version label (it travels with every result), a wake-up tag.
+# name, a wake-up tag (version labels: engine_contract.labels).
 MAX_PATH_LENGTH = 4096
 MAX_TENSOR_NAME_LENGTH = 1024
-MAX_VERSION_LENGTH = 256
 MAX_TAG_LENGTH = 64
 
 
@@ -78,24 +90,110 @@ def _bounded(field: str, value: str, most: int) -> str:
     return value
 
 
-async def _to_the_end(step: Awaitable[T]) -> T:
+class _Expired(Exception):
+    """An engine step ran past its deadline; it may still be running, unawaited."""
+
+
+async def _to_the_end(step: Awaitable[T], timeout_s: float | None = None) -> T:
     """Run an engine step to its end even when the caller is cancelled (a client's
     deadline or disconnect): the lock stays held and the state stays true to what
-    the engine did; the cancellation is raised afterwards."""
+    the engine did; the cancellation is raised afterwards. With ``timeout_s``,
+    waiting stops there (``_Expired``, the step left running): the caller says
+    what that leaves, and the lock is released."""
     task = asyncio.ensure_future(step)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    cancelled = False
+    while not task.done():
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            task.add_done_callback(_ended_late)
+            raise _Expired
+        try:
+            await asyncio.wait({task}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller left, the cancellation wins
+        raise asyncio.CancelledError
+    return task.result()
+
+
+def _ended_late(task: asyncio.Future[Any]) -> None:
+    """A step given up on at its deadline ended after all: say how, once."""
+    if task.cancelled():
+        log.warning("a refit step given up on at its deadline was cancelled")
+    elif task.exception() is not None:
+        log.warning("a refit step given up on at its deadline failed: %s", task.exception())
+    else:
+        log.warning("a refit step given up on at its deadline ended after all")
+
+
+def _in_daemon_thread(work: Callable[[], T]) -> asyncio.Future[T]:
+    """``work`` on a thread of its own, a daemon: a check stuck in the kernel (a
+    hung network mount) then neither keeps a pool's thread for good nor keeps the
+    process from exiting, as a thread of the default executor would."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # given up on (the deadline, a cancelled caller)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result: T | None = work()
+            error: BaseException | None = None
+        except BaseException as e:
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="refit-check", daemon=True).start()
+    return future
+
+
+def _preflight(path: str, allowed: tuple[Path, ...]) -> str:
+    """The path resolved (symlinks, ``..``), held to the allowed folders, and every
+    file's header read: whatever is wrong is found before anything loads, and the
+    path checked is the path the backend is given. Blocking: run off the loop."""
     try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(BaseException):
-            await task
+        resolved = os.path.realpath(path)
+        if allowed:
+            _check_allowed(path, resolved, allowed)
+        checkpoint_schema(resolved)
+    except (WeightUpdateError, WeightsPathDenied):
         raise
+    except Exception as e:  # nothing loaded whatever it is: still a refusal
+        raise WeightUpdateError(f"the checkpoint could not be checked: {clip(e, 300)}") from e
+    return resolved
+
+
+def _check_allowed(path: str, resolved: str, allowed: tuple[Path, ...]) -> None:
+    roots = [os.path.realpath(folder) for folder in allowed]
+    if any(os.path.commonpath([root, resolved]) == root for root in roots):
+        return
+    raise WeightsPathDenied(
+        f"path: {clip(path)} resolves to {clip(resolved)}, outside the folders weight "
+        f"updates may load from (--weights-allowed-dir {', '.join(clip(r) for r in roots)}); "
+        "nothing was loaded, the old weights still serve"
+    )
 
 
 def _check_version(field: str, version: str) -> None:
-    if not version.strip():
-        raise InvalidRequest(field, "must not be empty")
-    _bounded(field, version, MAX_VERSION_LENGTH)
+    problem = label_problem(version)
+    if problem is not None:
+        raise InvalidRequest(field, problem)
 
+
+# What a weight-transfer phase does, for what its deadline leaves (_transfer_step).
+_SETUP = "setup"
+_LOADING = "loading"
 
 # How strongly a mode stops generation: pausing again may only strengthen it.
 _STRENGTH = {PauseMode.KEEP: 0, PauseMode.WAIT: 1, PauseMode.ABORT: 2}
@@ -113,8 +211,10 @@ class RefitControl:
         *,
         on_state_change: Callable[[], object] | None = None,
         idle_timeout_s: float | None = 30.0,
+        config: RefitConfig | None = None,
     ) -> None:
         self._backend = backend
+        self._config = config or RefitConfig()
         # The longest a streamed update may go without its next message: a
         # trainer that stalls must not hold the refit lock for good.
         self._idle_timeout_s = idle_timeout_s
@@ -244,45 +344,69 @@ class RefitControl:
     # -- weight updates -------------------------------------------------------
 
     def _check_update(self, options: pb.WeightUpdateOptions) -> bool:
-        """Whether to reset the prefix cache afterwards; refuses an unpaused update,
-        and a version it could not set (before anything is loaded)."""
+        """Whether to reset the prefix cache afterwards; refuses what the refit rules
+        refuse (``engine_contract.refit_rules``: not paused, or unpaused with a cache
+        reset; in the RL routes' words), a version it could not set (before
+        anything is loaded), and any update once the weights are unknown (a load
+        given up on at its deadline may still be running: nothing may load beside
+        it)."""
+        if self.broken is not None:
+            raise EngineUnavailable(f"engine is not serving: {self.broken}")
         if options.HasField("weight_version"):
             _check_version("options.weight_version", options.weight_version)
+        refusal = refit_rules.update_refusal(options, paused=self.paused is not None)
+        if refusal is not None:
+            raise UPDATE_REFUSALS[refusal]()
+        # An unpaused update resets nothing (running requests hold the cache).
         reset = options.reset_prefix_cache if options.HasField("reset_prefix_cache") else True
-        if options.allow_unpaused:
-            if options.HasField("reset_prefix_cache") and reset:
-                raise InvalidRequest(
-                    "options.reset_prefix_cache",
-                    "an unpaused update cannot reset the prefix cache (running requests "
-                    "hold it); set it false, or pause generation first",
-                )
-            return False
-        if self.paused is None:
-            raise RefitRefused(
-                "generation must be paused before updating weights: call PauseGeneration "
-                "first, then update, then ResumeGeneration (or set allow_unpaused)"
-            )
-        return reset
+        return reset and refit_rules.needs_pause(options)
 
-    async def _load(self, step: Awaitable[WeightLoad], field: str) -> WeightLoad:
+    async def _load(
+        self, step: Awaitable[WeightLoad], field: str, what: str, timeout_s: float
+    ) -> WeightLoad:
         """Run a load to its end (a cancelled caller does not stop the engine's load
-        half way); a refusal from its checks keeps the old weights, anything else
-        leaves them unknown: the server stops serving until restarted."""
+        half way) or its deadline; a refusal from its checks keeps the old weights,
+        anything else, the deadline included, leaves them unknown: the server stops
+        serving until restarted."""
         try:
-            return await _to_the_end(step)
+            return await _to_the_end(step, timeout_s)
         except WeightUpdateError as e:
             raise InvalidRequest(field, f"{e}; the old weights still serve") from e
         except RefitUnsupported as e:
             raise _unsupported(e) from e
+        except _Expired:
+            raise self._break(
+                f"{what} did not end within the refit deadline of "
+                f"{self._config.timeout_s:g} s (--refit-timeout-s)"
+            ) from None
         except Exception as e:
-            reason = (
-                f"a weight update failed part way ({clip(e, 300)}): the engine's weights "
-                "are unknown; restart the engine server"
-            )
-            self.broken = reason
-            log.error("%s", reason)
-            self._notify()
-            raise EngineFailed(reason) from e
+            raise self._break(f"a weight update failed part way ({clip(e, 300)})") from e
+
+    def _break(self, what: str) -> EngineFailed:
+        """The engine's weights are unknown from now: nothing is served until a
+        restart (health NOT_SERVING). The error to answer with."""
+        reason = f"{what}: the engine's weights are unknown; restart the engine server"
+        self.broken = reason
+        log.error("%s", reason)
+        self._notify()
+        return EngineFailed(reason)
+
+    async def _checked_path(self, path: str) -> str:
+        """The path the backend loads: resolved, allowed, every header readable
+        (``_preflight``), within the check deadline; otherwise a refusal."""
+        limit = self._config.check_timeout_s
+        allowed = self._config.allowed_dirs
+        try:
+            async with asyncio.timeout(limit):
+                return await _in_daemon_thread(lambda: _preflight(path, allowed))
+        except TimeoutError:  # _preflight raises none of its own (it wraps them)
+            raise RefitTimedOut(
+                f"checking the checkpoint at {clip(path)} took longer than the check "
+                f"deadline of {limit:g} s (--refit-check-timeout-s); nothing was loaded, "
+                "the old weights still serve"
+            ) from None
+        except WeightUpdateError as e:
+            raise InvalidRequest("path", f"{e}; the old weights still serve") from e
 
     async def _finish_update(
         self, options: pb.WeightUpdateOptions, load: WeightLoad, reset: bool, started: float
@@ -306,17 +430,24 @@ class RefitControl:
         if not request.path:
             raise InvalidRequest("path", "must name a checkpoint directory")
         _bounded("path", request.path, MAX_PATH_LENGTH)
+        if "\0" in request.path:
+            raise InvalidRequest("path", "holds a NUL character")
         async with self._lock:
             reset = self._check_update(request.options)
             started = time.monotonic()
+            path = request.path
+            if self._backend.rl_capabilities().update_from_path:  # else: it says why not
+                path = await self._checked_path(path)
             load = await self._load(
                 self._backend.load_weights_from_path(
-                    request.path, allow_partial=request.options.allow_partial
+                    path, allow_partial=request.options.allow_partial
                 ),
                 "path",
+                f"loading the weights from {clip(path)}",
+                self._config.timeout_s,
             )
             result = await self._finish_update(request.options, load, reset, started)
-            log.info("weights loaded from %s: version %s", request.path, result.weight_version)
+            log.info("weights loaded from %s: version %s", path, result.weight_version)
             return pb.UpdateWeightsFromPathResponse(result=result)
 
     async def update_from_tensors(
@@ -342,25 +473,40 @@ class RefitControl:
         if first is None or first.WhichOneof("part") != "manifest":
             raise InvalidRequest("manifest", "the first message must be the tensor manifest")
         manifest = first.manifest
+        _no_longer_than_the_model(manifest, await self._backend.weight_names())
         specs = _specs(manifest)
         async with self._lock:
             reset = self._check_update(manifest.options)
             started = time.monotonic()
+            limit = self._config.timeout_s
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + limit
+            late = RefitTimedOut(
+                f"the streamed weight update did not arrive whole within the refit "
+                f"deadline of {limit:g} s (--refit-timeout-s); nothing was loaded, the "
+                "old weights still serve"
+            )
             try:
-                writer = await self._backend.begin_tensor_update(
-                    specs, allow_partial=manifest.options.allow_partial
-                )
-            except WeightUpdateError as e:
-                raise InvalidRequest("manifest", f"{e}; the old weights still serve") from e
-            except RefitUnsupported as e:
-                raise _unsupported(e) from e
+                writer = await self._begin_tensor_update(specs, manifest.options, limit)
+            except _Expired:
+                raise late from None
+            timer = asyncio.timeout_at(deadline)
             try:
-                await _receive(requests, specs, writer.write)
-            except BaseException:
+                async with timer:
+                    await _receive(requests, specs, writer.write)
+            except BaseException as e:
                 await writer.discard()
+                if isinstance(e, TimeoutError) and timer.expired():
+                    raise late from None
                 raise
+            left = deadline - loop.time()
+            if left <= 0:  # every byte came, just too late: still nothing loaded
+                await writer.discard()
+                raise late
             try:
-                load = await self._load(writer.commit(), "tensors")
+                load = await self._load(
+                    writer.commit(), "tensors", "committing the streamed weights", left
+                )
             finally:
                 await writer.discard()  # nothing once committed; else what was received
             result = await self._finish_update(manifest.options, load, reset, started)
@@ -373,26 +519,48 @@ class RefitControl:
             )
             return pb.UpdateWeightsFromTensorsResponse(result=result)
 
+    async def _begin_tensor_update(
+        self, specs: list[TensorSpec], options: pb.WeightUpdateOptions, timeout_s: float
+    ) -> WeightWriter:
+        """The backend's writer once it checked the manifest; a check past the
+        deadline is cancelled (``_Expired``): it had loaded nothing."""
+        step = asyncio.ensure_future(
+            self._backend.begin_tensor_update(specs, allow_partial=options.allow_partial)
+        )
+        try:
+            return await _to_the_end(step, timeout_s)
+        except _Expired:
+            step.cancel()
+            raise
+        except WeightUpdateError as e:
+            raise InvalidRequest("manifest", f"{e}; the old weights still serve") from e
+        except RefitUnsupported as e:
+            raise _unsupported(e) from e
+
     # -- weight-transfer engines (vLLM's NCCL and the like) ---------------------
 
     async def init_weight_transfer(self, init_info_json: bytes) -> None:
         info = _json_object("init_info_json", init_info_json)
         async with self._lock:
-            await self._transfer_step(self._backend.init_weight_transfer(info))
+            await self._transfer_step(
+                self._backend.init_weight_transfer(info), "InitWeightTransferEngine", _SETUP
+            )
 
     async def start_weight_update(self, options: pb.WeightUpdateOptions) -> None:
         async with self._lock:
             if self._transfer is not None:
                 raise RefitRefused("a weight update is already in progress: finish it first")
             reset = self._check_update(options)
-            await self._transfer_step(self._backend.start_weight_update())
+            await self._transfer_step(
+                self._backend.start_weight_update(), "StartWeightUpdate", _SETUP
+            )
             self._transfer = (options, reset, time.monotonic())
 
     async def update_weights(self, update_info_json: bytes) -> None:
         info = _json_object("update_info_json", update_info_json, arrays=True)
         async with self._lock:
             self._transfer_started()
-            await self._transfer_step(self._backend.update_weights(info))
+            await self._transfer_step(self._backend.update_weights(info), "UpdateWeights", _LOADING)
 
     async def finish_weight_update(
         self, request: pb.FinishWeightUpdateRequest
@@ -402,7 +570,12 @@ class RefitControl:
         async with self._lock:
             options, reset, started = self._transfer_started()
             try:
-                load = await self._load(self._backend.finish_weight_update(), "update")
+                load = await self._load(
+                    self._backend.finish_weight_update(),
+                    "update",
+                    "FinishWeightUpdate",
+                    self._config.timeout_s,
+                )
             finally:
                 self._transfer = None
             if request.HasField("weight_version"):
@@ -419,14 +592,44 @@ class RefitControl:
 
     async def shutdown_weight_transfer(self) -> None:
         async with self._lock:
-            await self._transfer_step(self._backend.shutdown_weight_transfer())
+            await self._transfer_step(
+                self._backend.shutdown_weight_transfer(), "ShutdownWeightTransferEngine", ""
+            )
             self._transfer = None
 
-    async def _transfer_step(self, step: Awaitable[T]) -> T:
+    async def _transfer_step(self, step: Awaitable[T], phase: str, kind: str) -> T:
+        """One weight-transfer phase, bounded by the refit deadline. Past it: a
+        phase that sets the transfer engine up (``_SETUP``) has it torn down, one
+        that loads (``_LOADING``) leaves the weights unknown; the lock is released."""
+        limit = self._config.timeout_s
         try:
-            return await _to_the_end(step)
+            return await _to_the_end(step, limit)
         except RefitUnsupported as e:
             raise _unsupported(e) from e
+        except _Expired:
+            late = (
+                f"{phase} did not end within the refit deadline of {limit:g} s (--refit-timeout-s)"
+            )
+            if kind == _LOADING:
+                self._transfer = None
+                raise self._break(late) from None
+            if kind == _SETUP:
+                await self._tear_down_transfer()
+                late += "; the weight-transfer engine was shut down (best effort)"
+            else:  # the teardown itself: whatever it left, no update is in progress
+                self._transfer = None
+            raise RefitTimedOut(
+                f"{late}; nothing was loaded, the old weights still serve"
+            ) from None
+
+    async def _tear_down_transfer(self) -> None:
+        """Best effort, bounded by the check deadline: tearing down is not loading."""
+        try:
+            await _to_the_end(
+                self._backend.shutdown_weight_transfer(), self._config.check_timeout_s
+            )
+        except Exception as e:  # the deadline too: the setup's error is the answer
+            log.warning("shutting the weight-transfer engine down failed: %r", e)
 
     # -- versions --------------------------------------------------------------
 
@@ -492,6 +695,21 @@ class RefitControl:
                 self.sleeping = False
                 self._notify()
             return awake
+
+
+def _no_longer_than_the_model(manifest: pb.TensorManifest, names: Collection[str] | None) -> None:
+    """Refuse a manifest naming more tensors than the model has, before its specs
+    are built (100,000 of them cost some 35 MB), naming the first that is not the
+    model's (there is one, or a name repeats)."""
+    if names is None or len(manifest.tensors) <= len(names):
+        return
+    unknown = next((t.name for t in manifest.tensors if t.name not in names), None)
+    what = f"tensor {clip(unknown)} is not a weight of this model" if unknown else "names repeat"
+    raise InvalidRequest(
+        "manifest.tensors",
+        f"{len(manifest.tensors)} tensors, more than the served model's {len(names)} "
+        f"({what}); the old weights still serve",
+    )
 
 
 def _specs(manifest: pb.TensorManifest) -> list[TensorSpec]:

@@ -34,9 +34,8 @@ import torch
 
 from bridge.driver import RetryPolicy, RolloutClient, RolloutResult
 from bridge.refit import EngineRefitClient
+from bridge.refit_rpc import RefitRpc
 from engine_contract.tensors import Tensor
-from engine_contract.v1 import engine_pb2 as pb
-from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.engine import load, tiny_vllm_args
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
@@ -186,8 +185,8 @@ class WeightKeeper:
         self.version = ""
         self.tensors: list[Tensor] = []
         self.pushes = 0
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        # Asks which weights the engine serves (a restarted one serves its checkpoint's).
+        self._engine = RefitRpc.connect(address, timeout_s=1)
         self._task: asyncio.Task[None] | None = None
 
     async def set(self, version: str, tensors: list[Tensor]) -> float:
@@ -207,7 +206,7 @@ class WeightKeeper:
             if not self.version:
                 continue
             try:
-                answer = await self._stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=1)
+                answer = await self._engine.get_weight_version()
             except grpc.aio.AioRpcError:
                 continue  # down or starting: asked again shortly
             if answer.weight_version == self.version or self.lock.locked():
@@ -228,7 +227,7 @@ class WeightKeeper:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.refit.close()
-        await self._channel.close()
+        await self._engine.close()
 
 
 async def generate(

@@ -11,14 +11,17 @@ through ``safetensors``: its numpy reader has no bfloat16.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import shutil
+import stat
 import struct
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from engine_server.backends.refit import TensorSpec, WeightUpdateError
 
@@ -55,6 +58,9 @@ def _quote(name: str, most: int = 120) -> str:
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
+    """The folder's ``*.safetensors`` entries, each a regular file (symlinks
+    followed): a directory, a FIFO (opening one blocks), a socket, a device or a
+    dangling symlink is refused by name, before anything is opened."""
     folder = Path(path)
     try:
         if not folder.is_dir():
@@ -66,7 +72,66 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         ) from e
     if not files:
         raise WeightUpdateError(f"no *.safetensors files in {_quote(str(folder))}")
+    for file in files:
+        try:
+            mode = file.stat().st_mode
+        except OSError as e:
+            problem = "a dangling symlink" if file.is_symlink() else "unreadable"
+            raise WeightUpdateError(
+                f"{_quote(file.name)} is {problem} ({e.strerror}); not a checkpoint file"
+            ) from e
+        _require_regular(mode, file)
     return files
+
+
+# What a folder entry is when it is not a regular file, for the refusal.
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _require_regular(mode: int, file: Path) -> None:
+    if not stat.S_ISREG(mode):
+        raise WeightUpdateError(
+            f"{_quote(file.name)} is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "
+            "not a checkpoint file"
+        )
+
+
+@contextlib.contextmanager
+def _unreadable_as_refusal(file: Path) -> Iterator[None]:
+    """What reading a file can raise beyond a corrupt header (an I/O error, a
+    header nested past the parser's recursion limit, one too large for memory)
+    as a refusal naming the file: nothing was loaded yet."""
+    try:
+        yield
+    except OSError as e:
+        raise WeightUpdateError(f"{_quote(file.name)} cannot be read: {e.strerror or e}") from e
+    except RecursionError as e:
+        raise WeightUpdateError(
+            f"{_quote(file.name)}: safetensors header nested too deep to read (corrupt)"
+        ) from e
+    except MemoryError as e:
+        raise WeightUpdateError(
+            f"{_quote(file.name)}: safetensors header too large to read into memory"
+        ) from e
+
+
+def _open_regular(file: Path) -> BinaryIO:
+    """``file`` opened for reading, refused unless it is a regular file. Opened
+    non-blocking, so that a FIFO put in its place after ``checkpoint_files``
+    looked is refused, not waited on."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _require_regular(os.fstat(fd).st_mode, file)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 def _header(data: bytes | memoryview, file: Path) -> tuple[dict[str, dict[str, object]], int]:
@@ -91,20 +156,63 @@ def _spec(name: str, entry: object, file: Path) -> tuple[TensorSpec, int, int]:
         dtype = SAFETENSORS_DTYPES[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
         start, end = (int(x) for x in entry["data_offsets"])
-    except (AssertionError, KeyError, TypeError, ValueError) as e:
+    except (AssertionError, KeyError, TypeError, ValueError, OverflowError) as e:
         raise WeightUpdateError(
             f"{file.name}: tensor {_quote(name)} has an unreadable entry"
         ) from e
+    if any(d < 0 for d in shape):
+        raise WeightUpdateError(
+            f"{file.name}: tensor {_quote(name)} has a negative dimension in {list(shape)}"
+        )
+    if start < 0:
+        raise WeightUpdateError(
+            f"{file.name}: tensor {_quote(name)} has a negative offset {start} (corrupt)"
+        )
     spec = TensorSpec(name, dtype, shape)
     if end - start != spec.nbytes:
         raise WeightUpdateError(f"{file.name}: tensor {_quote(name)} has the wrong size")
     return spec, start, end
 
 
+def _tensors(
+    header: dict[str, dict[str, object]], data_bytes: int, file: Path
+) -> list[tuple[TensorSpec, int, int]]:
+    """The header's tensors with their offsets, refused unless they index the data
+    exactly as the format demands ("entirely indexed, and cannot contain holes"):
+    no overlap, no gap, nothing past the end and nothing after the last tensor."""
+    tensors = [_spec(name, entry, file) for name, entry in header.items()]
+    for spec, _, end in tensors:
+        if end > data_bytes:
+            raise WeightUpdateError(
+                f"{file.name}: tensor {_quote(spec.name)} runs past the end of the file (truncated)"
+            )
+    position, previous = 0, None
+    for spec, start, end in sorted(tensors, key=lambda t: (t[1], t[2])):
+        if start < position:
+            raise WeightUpdateError(
+                f"{file.name}: tensors {_quote(previous or '')} and {_quote(spec.name)} "
+                "overlap (corrupt)"
+            )
+        if start > position:
+            after = f"after {_quote(previous)}" if previous else "at the start"
+            raise WeightUpdateError(
+                f"{file.name}: {start - position} bytes {after} belong to no tensor "
+                f"(a hole before {_quote(spec.name)}; corrupt)"
+            )
+        position, previous = end, spec.name
+    if position != data_bytes:
+        raise WeightUpdateError(
+            f"{file.name}: {data_bytes - position} bytes after the last tensor belong to "
+            "no tensor (corrupt)"
+        )
+    return tensors
+
+
 def file_schema(file: Path) -> list[TensorSpec]:
     """The tensors of one file, from its header alone; refuses a header or data
-    that do not fit in the file (truncated, corrupt)."""
-    with file.open("rb") as f:
+    that do not fit in the file (truncated, corrupt) and a file that cannot be
+    read, naming it."""
+    with _unreadable_as_refusal(file), _open_regular(file) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
@@ -115,31 +223,21 @@ def file_schema(file: Path) -> list[TensorSpec]:
                 f"{file.name}: header of {length} bytes in a file of {size} (corrupt)"
             )
         header, base = _header(head + f.read(length), file)
-    specs = []
-    for name, entry in header.items():
-        spec, _, end = _spec(name, entry, file)
-        if base + end > size:
-            raise WeightUpdateError(
-                f"{file.name}: tensor {_quote(name)} runs past the end of the file (truncated)"
-            )
-        specs.append(spec)
-    return specs
+        return [spec for spec, _, _ in _tensors(header, size - base, file)]
 
 
 def read_safetensors(file: Path) -> Iterator[tuple[TensorSpec, memoryview]]:
     """Every tensor of one file, as its spec and raw bytes (mapped, not read:
-    checkpoints can be larger than memory)."""
-    with file.open("rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise WeightUpdateError(f"{file.name}: not a safetensors file (empty)")
-        data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-    header, base = _header(data, file)
-    for name, entry in header.items():
-        spec, start, end = _spec(name, entry, file)
-        if base + end > len(data):
-            raise WeightUpdateError(
-                f"{file.name}: tensor {_quote(name)} runs past the end of the file"
-            )
+    checkpoints can be larger than memory). The header is checked whole before
+    the first tensor is yielded."""
+    with _unreadable_as_refusal(file):
+        with _open_regular(file) as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise WeightUpdateError(f"{file.name}: not a safetensors file (empty)")
+            data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        header, base = _header(data, file)
+        tensors = _tensors(header, len(data) - base, file)
+    for spec, start, end in tensors:
         yield spec, data[base + start : base + end]
 
 

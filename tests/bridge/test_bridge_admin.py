@@ -22,6 +22,7 @@ from aiohttp import web
 from bridge.admin_auth import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken, exposure_warning, is_loopback
 from bridge.config import MODEL_FILES, parse_args
 from bridge.refit import RefitClient, RouteError
+from bridge.refit_rpc import RefitRpc
 from bridge.rl_admin import RlAdmin
 from bridge.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
 from engine_contract.v1 import engine_pb2 as pb
@@ -324,7 +325,8 @@ async def test_an_answer_never_leaves_as_non_json(upstream: Upstream) -> None:
 
 
 class FakeClient:
-    """The engine client RlAdmin calls; records every RPC by name."""
+    """The engine client RlAdmin calls; its typed refit RPCs run on a stub that
+    records every RPC by name."""
 
     address = "fake:1"
 
@@ -332,13 +334,22 @@ class FakeClient:
         self.rpcs: list[str] = []
         self.requests: list[Any] = []
         self.paused = paused
+        self.refit = RefitRpc(_RecordingStub(self))  # type: ignore[arg-type]
 
-    async def refit(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        self.rpcs.append(method)
-        self.requests.append(request)
-        if method == "IsPaused":
-            return pb.IsPausedResponse(paused=self.paused)
-        return None
+
+class _RecordingStub:
+    def __init__(self, client: FakeClient) -> None:
+        self._client = client
+
+    def __getattr__(self, method: str) -> Any:
+        async def call(request: Any, timeout: float | None = None) -> Any:
+            self._client.rpcs.append(method)
+            self._client.requests.append(request)
+            if method == "IsPaused":
+                return pb.IsPausedResponse(paused=self._client.paused)
+            return None
+
+        return call
 
 
 class FakeRegistration:

@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_contract.refit_rules import UpdateRefusal
 from engine_contract.tensors import Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
@@ -354,7 +355,8 @@ async def test_update_is_refused_unless_paused(refit: Refit) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await refit.stub.UpdateWeightsFromPath(pb.UpdateWeightsFromPathRequest(path=str(weights)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "PauseGeneration" in e.value.details()
+    # In dynamo.vllm's words: the RL routes pass the message on as it comes.
+    assert e.value.details() == UpdateRefusal.NOT_PAUSED.value
     # allow_unpaused cannot also reset the prefix cache (running requests hold it).
     options = pb.WeightUpdateOptions(allow_unpaused=True, reset_prefix_cache=True)
     with pytest.raises(grpc.aio.AioRpcError) as both:
@@ -362,6 +364,7 @@ async def test_update_is_refused_unless_paused(refit: Refit) -> None:
             pb.UpdateWeightsFromPathRequest(path=str(weights), options=options)
         )
     assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert both.value.details() == UpdateRefusal.UNPAUSED_CACHE_RESET.value
 
 
 async def test_refit_from_path_changes_outputs_and_back_restores_them_exactly(

@@ -3,8 +3,13 @@ update must pass before anything loads, and streamed tensors written back."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
+import socket
 import struct
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ import pytest
 from engine_server.backends.checkpoint import (
     SafetensorsWriter,
     check_update,
+    checkpoint_files,
     checkpoint_schema,
     file_schema,
     read_safetensors,
@@ -110,3 +116,131 @@ def test_the_contract_knows_every_dtype_s_size() -> None:
     from engine_contract.tensors import TENSOR_DTYPE_BYTES, TENSOR_DTYPES
 
     assert set(TENSOR_DTYPE_BYTES) == set(TENSOR_DTYPES)
+
+
+# -- issue 28: entries that are not checkpoint files, and layouts the format forbids
+
+
+def _file(header: dict[str, object], data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _entry(start: int, end: int, shape: tuple[int, ...] = (4,)) -> dict[str, object]:
+    return {"dtype": "F32", "shape": list(shape), "data_offsets": [start, end]}
+
+
+def _named(folder: Path, kind: str) -> Path:
+    entry = folder / "x.safetensors"
+    if kind == "directory":
+        entry.mkdir()
+    elif kind == "dangling symlink":
+        entry.symlink_to(folder / "gone")
+    elif kind == "FIFO":
+        os.mkfifo(entry)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(entry))
+        sock.close()
+    return entry
+
+
+@pytest.mark.timeout(10)  # opening a FIFO would block: it must never be opened
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("directory", "is a directory"),
+        ("dangling symlink", "is a dangling symlink"),
+        ("FIFO", "is a FIFO"),
+        ("socket", "is a socket"),
+    ],
+)
+def test_entries_that_are_not_regular_files_are_refused_by_name(kind: str, needle: str) -> None:
+    # A short folder: a unix socket's path is limited to 107 bytes.
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        folder = Path(tmp)
+        _named(folder, kind)
+        with pytest.raises(WeightUpdateError, match=re.escape(f"'x.safetensors' {needle}")):
+            checkpoint_files(folder)
+        with pytest.raises(WeightUpdateError, match=re.escape(f"'x.safetensors' {needle}")):
+            checkpoint_schema(folder)
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_swapped_in_after_the_listing_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = _named(tmp_path, "FIFO")
+    with pytest.raises(WeightUpdateError, match="is a FIFO"):
+        file_schema(fifo)
+    with pytest.raises(WeightUpdateError, match="is a FIFO"):
+        list(read_safetensors(fifo))
+
+
+def test_a_header_nested_past_the_recursion_limit_is_refused(tmp_path: Path) -> None:
+    header = b"[" * 200_000
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(WeightUpdateError, match="nested too deep"):
+        file_schema(file)
+    with pytest.raises(WeightUpdateError, match="nested too deep"):
+        list(read_safetensors(file))
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "needle"),
+    [
+        ({"a": _entry(0, 16), "b": _entry(0, 16)}, bytes(16), "'a' and 'b' overlap"),
+        ({"a": _entry(0, 16), "b": _entry(8, 24)}, bytes(24), "'a' and 'b' overlap"),
+        ({"a": _entry(0, 16), "b": _entry(24, 40)}, bytes(40), "8 bytes after 'a'"),
+        ({"a": _entry(8, 24)}, bytes(24), "8 bytes at the start"),
+        ({"a": _entry(0, 16)}, bytes(20), "4 bytes after the last tensor"),
+        ({"a": _entry(-16, 0)}, bytes(16), "negative offset -16"),
+        ({"a": _entry(0, 1 << 62, (1 << 60,))}, bytes(16), "runs past the end"),
+        ({"a": {**_entry(0, 16), "shape": [-4, -1]}}, bytes(16), "negative dimension"),
+    ],
+)
+def test_layouts_the_format_forbids_are_refused_naming_the_tensors(
+    tmp_path: Path, header: dict[str, object], data: bytes, needle: str
+) -> None:
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(_file(header, data))
+    with pytest.raises(WeightUpdateError, match=needle):
+        file_schema(file)
+    with pytest.raises(WeightUpdateError, match=needle):
+        list(read_safetensors(file))
+
+
+def test_empty_tensors_and_every_checkpoint_this_repo_writes_pass(tmp_path: Path) -> None:
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(
+        _file({"e": _entry(0, 0, (0,)), "a": _entry(0, 16), "z": _entry(16, 16, (0,))}, bytes(16))
+    )
+    assert [s.name for s in file_schema(file)] == ["e", "a", "z"]
+    from harness.checkpoints import tiny_weights_dir
+    from harness.tiny_model import tiny_model_dir
+
+    for folder in (tiny_model_dir(), tiny_weights_dir(1)):
+        schema = checkpoint_schema(folder)
+        assert len(schema) > 1
+        for part in checkpoint_files(folder):
+            assert len(list(read_safetensors(part))) == len(file_schema(part))
+
+
+def test_a_file_that_cannot_be_read_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(_file({"a": _entry(0, 16)}, bytes(16)))
+    real_open = os.open
+
+    def failing_open(path: object, *args: object, **kwargs: object) -> int:
+        if Path(str(path)) == file:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", failing_open)
+    with pytest.raises(
+        WeightUpdateError, match=re.escape("'model.safetensors' cannot be read: Input/output")
+    ):
+        file_schema(file)
+    with pytest.raises(WeightUpdateError, match=re.escape("'model.safetensors' cannot be read")):
+        list(read_safetensors(file))

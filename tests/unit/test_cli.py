@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine_server.cli import build_parser, config_from_args
@@ -60,6 +62,37 @@ def test_flags_reach_the_server_config() -> None:
     ],
 )
 def test_bad_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as err:
+        config(*argv)
+    assert message in str(err.value)
+
+
+def test_refit_flags_reach_the_refit_config() -> None:
+    cfg = config(
+        "--refit-check-timeout-s",
+        "5",
+        "--refit-timeout-s",
+        "90",
+        "--weights-allowed-dir",
+        "/ckpt",
+        "--weights-allowed-dir",
+        "/scratch/steps",
+    )
+    assert (cfg.refit.check_timeout_s, cfg.refit.timeout_s) == (5, 90)
+    assert cfg.refit.allowed_dirs == (Path("/ckpt"), Path("/scratch/steps"))
+    default = config().refit
+    assert (default.check_timeout_s, default.timeout_s, default.allowed_dirs) == (60, 1800, ())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--refit-check-timeout-s", "0"], "--refit-check-timeout-s) must be > 0 s"),
+        (["--refit-timeout-s", "-1"], "--refit-timeout-s) must be > 0 s"),
+        (["--refit-timeout-s", "nan"], "--refit-timeout-s) must be > 0 s"),
+    ],
+)
+def test_refit_deadlines_cannot_be_switched_off(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as err:
         config(*argv)
     assert message in str(err.value)

@@ -5,17 +5,36 @@ the sim's pause, keep and sleep freezes hold and release independently."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
 
+from engine_contract.tensors import TENSOR_DTYPES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
-from engine_server.backends.refit import PauseMode
+from engine_server import refit_control
+from engine_server.backends.refit import PauseMode, TensorSpec, WeightLoad, WeightWriter
 from engine_server.backends.sim import SimBackend
-from engine_server.config import ServerConfig
+from engine_server.config import RefitConfig, ServerConfig
 from engine_server.core import ServerCore
-from engine_server.errors import RefitRefused
+from engine_server.errors import (
+    EngineFailed,
+    InvalidRequest,
+    RefitRefused,
+    RefitTimedOut,
+    WeightsPathDenied,
+)
+from harness.checkpoints import tiny_weights_dir
+
+T = TypeVar("T")
 
 
 @pytest_asyncio.fixture
@@ -96,3 +115,252 @@ async def test_transfer_phases_in_order_only(core: ServerCore) -> None:
         await core.refit.update_weights(b"{}")
     with pytest.raises(RefitRefused, match="StartWeightUpdate first"):
         await core.refit.finish_weight_update(pb.FinishWeightUpdateRequest())
+
+
+# -- issue 28: checks before anything loads, deadlines, the allow-list -----------
+
+FAST = RefitConfig(check_timeout_s=0.3, timeout_s=0.3)
+
+
+@asynccontextmanager
+async def sim_core(
+    refit: RefitConfig = FAST, model: Path | None = None
+) -> AsyncIterator[ServerCore]:
+    backend = SimBackend(
+        decode_step_ms=0.0, eos_rate=0.0, model=str(model) if model is not None else None
+    )
+    server = ServerCore(backend, ServerConfig(listen="127.0.0.1:0", refit=refit), "inst")
+    await server.start_engine()
+    try:
+        yield server
+    finally:
+        await backend.shutdown()
+
+
+async def paused(core: ServerCore) -> None:
+    await core.refit.pause(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+
+
+def from_path(path: Path | str) -> pb.UpdateWeightsFromPathRequest:
+    return pb.UpdateWeightsFromPathRequest(path=str(path))
+
+
+async def still_serving(core: ServerCore) -> None:
+    """Not broken, and the lock free: a resume goes through at once."""
+    assert core.refit.broken is None
+    assert (await asyncio.wait_for(core.refit.resume(), 2)).resumed
+
+
+async def never() -> WeightLoad:
+    await asyncio.Event().wait()
+    raise AssertionError
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["directory", "dangling symlink", "FIFO", "nested header"])
+async def test_an_unreadable_entry_is_a_refusal_not_weights_unknown(
+    tmp_path: Path, kind: str
+) -> None:
+    entry = tmp_path / "x.safetensors"
+    if kind == "directory":
+        entry.mkdir()
+    elif kind == "dangling symlink":
+        entry.symlink_to(tmp_path / "gone")
+    elif kind == "FIFO":
+        os.mkfifo(entry)
+    else:
+        entry.write_bytes(struct.pack("<Q", 200_000) + b"[" * 200_000)
+    async with sim_core() as core:
+        await paused(core)
+        with pytest.raises(InvalidRequest, match=r"x.safetensors.*the old weights still serve"):
+            await core.refit.update_from_path(from_path(tmp_path))
+        await still_serving(core)
+
+
+async def test_a_check_past_its_deadline_is_refused_and_the_lock_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+
+    def hung_mount(path: object) -> None:
+        release.wait(30)
+
+    monkeypatch.setattr(refit_control, "checkpoint_schema", hung_mount)
+    try:
+        async with sim_core() as core:
+            await paused(core)
+            started = time.monotonic()
+            with pytest.raises(RefitTimedOut, match=r"0\.3 s \(--refit-check-timeout-s\)"):
+                await core.refit.update_from_path(from_path(tmp_path))
+            assert time.monotonic() - started < 2
+            await still_serving(core)
+    finally:
+        release.set()
+
+
+async def test_a_load_past_its_deadline_leaves_the_weights_unknown_and_frees_the_lock(
+    model_dir: Path,
+) -> None:
+    async with sim_core() as core:
+        core.backend.load_weights_from_path = lambda path, allow_partial: never()  # type: ignore[method-assign]
+        await paused(core)
+        update = asyncio.ensure_future(core.refit.update_from_path(from_path(model_dir)))
+        await asyncio.sleep(0.05)
+        update.cancel()  # the client leaves: the load is still waited for, to its deadline
+        with pytest.raises(EngineFailed, match=r"0\.3 s \(--refit-timeout-s\).*unknown"):
+            await asyncio.wait_for(update, 3)
+        assert core.refit.broken is not None and "--refit-timeout-s" in core.refit.broken
+        assert (await asyncio.wait_for(core.refit.resume(), 2)).resumed  # the lock is free
+
+
+def stream(
+    specs: list[TensorSpec], pace_s: float, messages: int = 1000
+) -> AsyncIterator[pb.UpdateWeightsFromTensorsRequest]:
+    """A manifest, then one small chunk every ``pace_s`` (under the idle watchdog)."""
+
+    async def gen() -> AsyncIterator[pb.UpdateWeightsFromTensorsRequest]:
+        manifest = pb.TensorManifest(
+            tensors=[
+                pb.TensorSpec(name=s.name, dtype=TENSOR_DTYPES[s.dtype], shape=s.shape)
+                for s in specs
+            ]
+        )
+        yield pb.UpdateWeightsFromTensorsRequest(manifest=manifest)
+        for i in range(messages):
+            await asyncio.sleep(pace_s)
+            chunk = pb.TensorChunk(tensor=0, offset=i, data=b"\0")
+            yield pb.UpdateWeightsFromTensorsRequest(chunk=chunk)
+
+    return gen()
+
+
+async def test_a_trickled_stream_is_refused_at_the_refit_deadline(model_dir: Path) -> None:
+    async with sim_core(model=model_dir) as core:
+        specs = list(core.backend.weights.specs.values())
+        await paused(core)
+        started = time.monotonic()
+        with pytest.raises(RefitTimedOut, match=r"--refit-timeout-s.*old weights still serve"):
+            await core.refit.update_from_tensors(stream(specs, pace_s=0.05))
+        assert time.monotonic() - started < 2
+        await still_serving(core)
+
+
+async def test_a_slow_manifest_check_is_refused_and_a_slow_commit_breaks(model_dir: Path) -> None:
+    async with sim_core(model=model_dir) as core:
+        specs = list(core.backend.weights.specs.values())
+        original = core.backend.begin_tensor_update
+
+        async def slow_check(*args: object, **kwargs: object) -> WeightWriter:
+            await asyncio.sleep(30)
+            raise AssertionError
+
+        core.backend.begin_tensor_update = slow_check  # type: ignore[method-assign]
+        await paused(core)
+        with pytest.raises(RefitTimedOut, match="nothing was loaded"):
+            await core.refit.update_from_tensors(stream(specs, 0, messages=0))
+        assert core.refit.broken is None
+
+        async def slow_commit(tensors: list[TensorSpec], *, allow_partial: bool) -> WeightWriter:
+            writer = await original(tensors, allow_partial=allow_partial)
+            writer.commit = never  # type: ignore[method-assign]
+            return writer
+
+        core.backend.begin_tensor_update = slow_commit  # type: ignore[method-assign]
+        one = [TensorSpec(specs[0].name, specs[0].dtype, specs[0].shape)]
+        requests = update_requests(
+            [Tensor(one[0].name, one[0].dtype, one[0].shape, bytes(one[0].nbytes))],
+            allow_partial=True,
+        )
+        with pytest.raises(EngineFailed, match=r"committing the streamed weights.*unknown"):
+            await core.refit.update_from_tensors(aiter_of(requests))
+        assert core.refit.broken is not None
+
+
+async def aiter_of(items: Iterable[T]) -> AsyncIterator[T]:
+    for item in items:
+        yield item
+
+
+async def test_transfer_phases_past_the_deadline(tmp_path: Path) -> None:
+    async with sim_core() as core:
+        backend = core.backend
+        shut_down: list[bool] = []
+
+        async def hang(*args: object) -> None:
+            await asyncio.sleep(30)
+
+        async def nothing(*args: object) -> None:
+            return None
+
+        async def shutdown() -> None:
+            shut_down.append(True)
+
+        backend.init_weight_transfer = hang  # type: ignore[method-assign]
+        backend.shutdown_weight_transfer = shutdown  # type: ignore[method-assign]
+        with pytest.raises(RefitTimedOut, match=r"InitWeightTransferEngine.*shut down"):
+            await core.refit.init_weight_transfer(b"{}")
+        assert shut_down and core.refit.broken is None
+
+        backend.start_weight_update = nothing  # type: ignore[method-assign]
+        backend.update_weights = hang  # type: ignore[method-assign]
+        await paused(core)
+        await core.refit.start_weight_update(pb.WeightUpdateOptions())
+        with pytest.raises(EngineFailed, match=r"UpdateWeights did not end.*unknown"):
+            await core.refit.update_weights(b"{}")
+        assert core.refit.broken is not None
+        await asyncio.wait_for(core.refit.resume(), 2)  # nothing left in progress
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    """(allowed, outside): each holding a copy of the seed-1 weights as ``w``."""
+    weights = tiny_weights_dir(1)
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    for folder in (allowed, outside):
+        (folder / "w").mkdir(parents=True)
+        shutil.copy(weights / "model.safetensors", folder / "w" / "model.safetensors")
+    return allowed, outside
+
+
+async def test_the_allow_list_holds_the_resolved_path(
+    model_dir: Path, folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    allowed, outside = folders
+    (allowed / "out").symlink_to(outside / "w")  # a symlink inside, pointing outside
+    (tmp_path / "in").symlink_to(allowed / "w")  # one outside, pointing inside
+    (tmp_path / "allowed-twin").mkdir()  # a prefix of the name is not containment
+    refit = RefitConfig(allowed_dirs=(allowed,))
+    async with sim_core(refit, model=model_dir) as core:
+        loaded: list[str] = []
+        load = core.backend.load_weights_from_path
+
+        async def record(path: str, *, allow_partial: bool) -> WeightLoad:
+            loaded.append(path)
+            return await load(path, allow_partial=allow_partial)
+
+        core.backend.load_weights_from_path = record  # type: ignore[method-assign]
+        await paused(core)
+        for escape in (allowed / "out", allowed / ".." / "outside" / "w", outside / "w"):
+            with pytest.raises(WeightsPathDenied, match="--weights-allowed-dir") as denied:
+                await core.refit.update_from_path(from_path(escape))
+            assert str(allowed) in str(denied.value)
+            assert "old weights still serve" in str(denied.value)
+        with pytest.raises(WeightsPathDenied):
+            await core.refit.update_from_path(from_path(tmp_path / "allowed-twin"))
+        assert loaded == []
+        await core.refit.update_from_path(from_path(tmp_path / "in"))
+        await core.refit.update_from_path(from_path(allowed / "w" / ".." / "w"))
+        assert loaded == [str(allowed / "w")] * 2  # the path checked is the path loaded
+        await still_serving(core)
+
+
+async def test_a_manifest_longer_than_the_model_is_refused_before_it_is_read(
+    model_dir: Path,
+) -> None:
+    async with sim_core(model=model_dir) as core:
+        count = len(core.backend.weights.specs)
+        junk = [Tensor(f"junk.{i}", "float32", (0,), b"") for i in range(count + 1)]
+        await paused(core)
+        with pytest.raises(InvalidRequest, match=f"{count + 1} tensors, more than the served"):
+            await core.refit.update_from_tensors(aiter_of(update_requests(junk)))
+        await still_serving(core)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -253,6 +253,9 @@ class SimBackend(EngineBackend):
         self, tensors: Sequence[TensorSpec], *, allow_partial: bool
     ) -> WeightWriter:
         return self.weights.writer(tensors, allow_partial=allow_partial, then=self._apply_weights)
+
+    async def weight_names(self) -> Collection[str] | None:
+        return self.weights.specs.keys()
 
     async def weight_version(self) -> str:
         return self.engine.scheduler.weight_version

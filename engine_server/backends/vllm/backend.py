@@ -55,6 +55,7 @@ from engine_server.backends.base import (
 )
 from engine_server.backends.refit import (
     PauseMode,
+    RefitUnsupported,
     RlCapabilities,
     TensorSpec,
     WeightLoad,
@@ -433,6 +434,12 @@ class VllmBackend(EngineBackend):
         self, tensors: Sequence[TensorSpec], *, allow_partial: bool
     ) -> WeightWriter:
         return await self._weight_loader().writer(tensors, allow_partial=allow_partial)
+
+    async def weight_names(self) -> Collection[str] | None:
+        try:
+            return (await self._weight_loader().schema()).keys()
+        except RefitUnsupported:  # begin_tensor_update says why
+            return None
 
     def _transfer_configured(self) -> None:
         if not self.rl_capabilities().weight_transfer_backend:
