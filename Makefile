@@ -53,11 +53,11 @@ $(BUF):
 
 # Regenerates the stubs. Idempotent: the same .proto gives the same files.
 proto: $(STAMP)
-	$(PY) scripts/gen_proto.py
+	$(PY) -m scripts.gen_proto
 
 # Fails when the committed stubs are stale against proto/.
 proto-check: $(STAMP)
-	$(PY) scripts/gen_proto.py --check
+	$(PY) -m scripts.gen_proto --check
 
 # buf lint, and buf breaking against main (against the previous commit on main itself).
 proto-lint: $(BUF)
@@ -94,12 +94,12 @@ conformance: $(STAMP)
 
 # make run [MODEL=DIR] [ENGINE=vllm|sim]: your own model folder, another engine.
 run: $(STAMP)
-	$(PY) scripts/run_demo.py $(if $(MODEL),--model $(MODEL)) $(if $(ENGINE),--engine $(ENGINE))
+	$(PY) -m scripts.run_demo $(if $(MODEL),--model $(MODEL)) $(if $(ENGINE),--engine $(ENGINE))
 
 # 10 minutes of mixed traffic, aborts and disconnects against simulated engine
 # servers: no leaked requests, flat RSS (figures in .artifacts/soak.json).
 soak: $(STAMP)
-	$(PY) scripts/soak.py --duration-s 600
+	$(PY) -m scripts.soak --duration-s 600
 
 # A tiny GRPO run through frontend -> bridge -> vLLM engine server, weights streamed
 # back every step; reward curve in train-results/reward.png.

@@ -204,10 +204,11 @@ def aiperf_config(
 
 
 async def write_dataset(bench: Bench, model: str, out: Path, count: int) -> None:
-    """The README's rollout bodies (``scripts/aiperf_inputs.py``) for ``model``."""
+    """The README's rollout bodies (``python -m scripts.aiperf_inputs``) for ``model``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(ROOT / "scripts" / "aiperf_inputs.py"),
+        "-m",
+        "scripts.aiperf_inputs",
         "--model",
         model,
         "--model-dir",
@@ -220,10 +221,11 @@ async def write_dataset(bench: Bench, model: str, out: Path, count: int) -> None
         str(PROMPT_TOKENS),
         "--max-tokens",
         str(GEN_TOKENS),
+        cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL,
     )
     if await proc.wait():
-        raise RuntimeError(f"scripts/aiperf_inputs.py failed for {model}")
+        raise RuntimeError(f"scripts.aiperf_inputs failed for {model}")
 
 
 async def run(bench: Bench) -> AiperfCompare | None:

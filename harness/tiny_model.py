@@ -7,7 +7,7 @@ from the seed, so the same seed gives the same files byte for byte; a stamp
 file lets a second call with the same settings return at once.
 
 ``tiny_model_dir(kind)`` is the cached build under ``.artifacts/``;
-``build_tiny_model(out_dir, ...)`` builds anywhere (``scripts/build_tiny_model.py``
+``build_tiny_model(out_dir, ...)`` builds anywhere (``python -m scripts.build_tiny_model``
 is its command line). A model without a chat template is a base checkpoint, as
 most RL base checkpoints are.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -63,6 +63,26 @@ async def wait_until_async(
             return value
         if time.monotonic() > deadline:
             raise WaitTimeout(f"{what}: not within {timeout}s", value)
+        await asyncio.sleep(interval)
+
+
+async def wait_until_probe_async(
+    probe: Callable[[], Awaitable[T]],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    done: Callable[[T], object] = bool,
+) -> T:
+    """``wait_until_async`` for a probe that is awaited (a gRPC or HTTP call): until
+    ``done(await probe())`` holds (by default: the answer is truthy), and return that
+    answer. The WaitTimeout names the last answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"{what}: not within {timeout}s; last: {value!r:.1000}", value)
         await asyncio.sleep(interval)
 
 

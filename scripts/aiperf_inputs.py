@@ -3,7 +3,7 @@
 annotation, sent verbatim to ``/v1/completions`` (aiperf's ``raw_payload``
 would want chat ``messages``; ``inputs_json`` sends any body as is).
 
-    python scripts/aiperf_inputs.py --model mymodel --model-dir DIR --out rollouts.json
+    python -m scripts.aiperf_inputs --model mymodel --model-dir DIR --out rollouts.json
 
 Each rollout asks for its text too (``rollout:{"text": true}``): aiperf counts
 an answer without text as failed. Prompts are random token ids of the model's
@@ -18,8 +18,6 @@ import random
 import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge import driver
 

@@ -1,6 +1,6 @@
 """Build a tiny random-weight Llama (or Mixtral with ``--moe``) model folder, offline.
 
-    python scripts/build_tiny_model.py --out DIR [--seed N] [--moe] [--no-chat-template]
+    python -m scripts.build_tiny_model --out DIR [--seed N] [--moe] [--no-chat-template]
 
 The builder is ``harness.tiny_model`` (tests and the benchmark call it too);
 the same seed gives the same files byte for byte, and a second call with the
@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from harness.tiny_model import build_tiny_model  # noqa: E402
+from harness.tiny_model import build_tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:

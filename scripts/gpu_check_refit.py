@@ -17,7 +17,7 @@ starts ``python -m engine_server --backend vllm`` on A with
   outputs as before the sleep;
 - ``ShutdownWeightTransferEngine`` answers OK.
 
-    python scripts/gpu_check_refit.py [--keep DIR]
+    python -m scripts.gpu_check_refit [--keep DIR]
 
 Prints one line per check and PASS or FAIL last; results also in
 ``$OUT/gpu_check_refit.json`` when ``OUT`` is set. Exit status 0 on PASS.
@@ -33,9 +33,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def greedy(stub, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:  # type: ignore[no-untyped-def]

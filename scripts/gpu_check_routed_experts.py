@@ -13,7 +13,7 @@ runs greedy rollouts and checks what comes back:
 - informational: agreement with the Hugging Face model's own router top-k on
   the same tokens (random weights make near-ties rare, bf16 may flip a few).
 
-    python scripts/gpu_check_routed_experts.py [--dtype bfloat16] [--keep DIR]
+    python -m scripts.gpu_check_routed_experts [--dtype bfloat16] [--keep DIR]
 
 Prints one line per check and PASS or FAIL last; exit status 0 on PASS.
 """
@@ -27,9 +27,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
 

@@ -10,7 +10,7 @@ process, as a deployment would, and reports:
 - peak_rss_mib: the largest sum of RSS over the server and all its descendants
   (vLLM's EngineCore process included), sampled every 50 ms.
 
-    python scripts/measure_vllm_startup.py [--runs 1] [--kv-cache-mib 64] [--json]
+    python -m scripts.measure_vllm_startup [--runs 1] [--kv-cache-mib 64] [--json]
 
 Extra arguments after ``--`` go to the server (e.g. ``-- --dtype bfloat16``).
 """
@@ -33,7 +33,6 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 class TreeRss:

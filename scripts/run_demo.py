@@ -7,7 +7,7 @@ prints the results and a summary (rollouts, p50 latency, tokens/s, time to the
 first rollout), and stops everything on exit, Ctrl-C or SIGTERM. Waits show
 their elapsed time as they go.
 
-    python scripts/run_demo.py [--engine vllm|sim] [--model DIR] [--rollouts N] [--keep-logs]
+    python -m scripts.run_demo [--engine vllm|sim] [--model DIR] [--rollouts N] [--keep-logs]
 
 ``--model DIR``: your own model folder (HF layout: config.json, tokenizer.json,
 tokenizer_config.json, weights), with or without a chat template; the default
@@ -29,16 +29,14 @@ import time
 from pathlib import Path
 from types import FrameType
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bridge.driver import RolloutClient, RolloutResult  # noqa: E402
-from harness.env import dynamo_env, importable  # noqa: E402
-from harness.http import served_models  # noqa: E402
-from harness.procs import ProcessGroup  # noqa: E402
-from harness.progress import counting, waiting  # noqa: E402
-from harness.tiny_model import tiny_model_dir  # noqa: E402
-from harness.waits import wait_until  # noqa: E402
+from bridge.driver import RolloutClient, RolloutResult
+from harness import ROOT
+from harness.env import dynamo_env, importable
+from harness.http import served_models
+from harness.procs import ProcessGroup
+from harness.progress import counting, waiting
+from harness.tiny_model import tiny_model_dir
+from harness.waits import wait_until
 
 NAMESPACE = "demo"
 PROMPTS = (
@@ -185,7 +183,7 @@ def run(engine: str, model: Path | None, rollouts: int, keep_logs: bool) -> int:
     except Exception as e:
         print(f"\ndemo failed: {e}", file=sys.stderr)
         if engine == "vllm":
-            print("(try: python scripts/run_demo.py --engine sim)", file=sys.stderr)
+            print("(try: python -m scripts.run_demo --engine sim)", file=sys.stderr)
         return 1
     finally:
         with contextlib.suppress(KeyboardInterrupt):

@@ -1,8 +1,8 @@
 """Soak: a bounded run of mixed traffic against simulated engine servers, through
 bridges and Dynamo's frontend, checking for leaked requests and memory growth.
 
-    python scripts/soak.py --duration-s 600    # make soak
-    python scripts/soak.py --duration-s 60     # the slow test in make test
+    python -m scripts.soak --duration-s 600    # make soak
+    python -m scripts.soak --duration-s 60     # the slow test in make test
 
 Traffic (``--clients`` concurrent loops until the duration ends): rollouts,
 streamed completions read to the end, streams the client drops after a few
@@ -38,18 +38,15 @@ from typing import Any
 import aiohttp
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bridge import driver  # noqa: E402
-from engine_contract.v1 import engine_pb2 as pb  # noqa: E402
-from engine_contract.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
-from harness import ARTIFACTS  # noqa: E402
-from harness.engine import idle, wait_load_async  # noqa: E402
-from harness.procs import Proc, ProcessGroup, rss_bytes  # noqa: E402
-from harness.stack import Stack  # noqa: E402
-from harness.tiny_model import tiny_model_dir  # noqa: E402
-from harness.waits import WaitTimeout  # noqa: E402
+from bridge import driver
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness import ARTIFACTS
+from harness.engine import idle, wait_load_async
+from harness.procs import Proc, ProcessGroup, rss_bytes
+from harness.stack import Stack
+from harness.tiny_model import tiny_model_dir
+from harness.waits import WaitTimeout
 
 MODEL = "tiny-soak"
 NAMESPACE = "soak"

@@ -77,7 +77,7 @@ def test_no_annotation_is_an_ordinary_completion() -> None:
     assert codec.parse_request_kind(["request_id:abc", "query_instance_id:", "token_ids"]) is None
 
 
-def test_rollout_spec_parsed() -> None:
+def test_a_rollout_annotation_parses_into_its_spec() -> None:
     spec = codec.parse_request_kind(
         ['rollout:{"greedy":true,"stop_strings":["</s>","\\n\\n"],"request_id":"r1"}']
     )
@@ -184,13 +184,15 @@ def test_rollout_chunk_carries_everything_in_engine_data_and_counts_its_tokens()
         (pb.FINISH_REASON_UNSPECIFIED, "error", "error"),
     ],
 )
-def test_finish_reasons(reason: int, dynamo: str, wire_name: str) -> None:
+def test_each_finish_reason_maps_to_dynamos_and_to_its_wire_name(
+    reason: int, dynamo: str, wire_name: str
+) -> None:
     chunk = codec.rollout_chunk(rollout_response(finish_reason=reason, matched_stop=None))
     assert chunk["finish_reason"] == dynamo
     assert chunk["engine_data"]["rollout"]["finish_reason"] == wire_name
 
 
-def test_rollout_routed_experts_and_r3() -> None:
+def test_routed_experts_and_r3_stats_reach_the_rollouts_engine_data() -> None:
     data = bytes(range(2 * 3 * 2))
     resp = rollout_response(
         routed_experts=pb.RoutedExperts(data=data, dtype=pb.TENSOR_DTYPE_INT8, shape=[2, 3, 2]),
@@ -325,7 +327,7 @@ def test_unsupported_or_bad_options_refused(override: dict, message: str) -> Non
         codec.build_generate_request("g", completion_request(**override))
 
 
-def test_generate_chunks() -> None:
+def test_generate_deltas_become_dynamo_chunks_and_malformed_ones_are_refused() -> None:
     delta = codec.generate_chunk(
         pb.GenerateResponse(
             token_ids=[4, 5],

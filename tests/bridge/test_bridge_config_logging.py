@@ -88,7 +88,9 @@ def test_every_dynamo_discovery_backend_accepted(model_dir: Path, backend: str) 
     assert worker.discovery_backend == backend
 
 
-def test_bad_cli_refused(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_bad_bridge_command_line_exits_naming_the_problem(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--model-path", str(model_dir)])
     assert "--engine is required" in capsys.readouterr().err

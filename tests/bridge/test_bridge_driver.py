@@ -127,7 +127,7 @@ def test_malformed_answers_rejected(mutate: Any, message: str) -> None:
         driver.parse_rollout_response(body)
 
 
-def test_request_body() -> None:
+def test_the_rollout_body_carries_the_annotation_the_bridge_parses() -> None:
     body = driver.build_rollout_body(
         "m", [1, 2], greedy=True, stop_strings=["\n"], max_tokens=8, request_id="r1", worker_id=True
     )

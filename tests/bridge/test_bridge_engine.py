@@ -18,6 +18,7 @@ import engine_contract
 from bridge.client import EngineNotReadyError, IncompatibleServerError
 from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
+from harness.waits import wait_until_async
 from tests.bridge.bridge_fakes import FakeEngine, FakeServer
 
 
@@ -146,10 +147,7 @@ async def test_abort_cancels_and_tells_the_engine(
     task = asyncio.create_task(
         collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, ctx)
     )
-    for _ in range(200):
-        if server.engine.running:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: server.engine.running, 5, "the rollout running")
     assert server.engine.running == {"ctx-abort"}
     ctx.stop_generating()
     await engine.abort(ctx)
@@ -158,11 +156,7 @@ async def test_abort_cancels_and_tells_the_engine(
     assert [(a.request_id, a.instance_id) for a in server.engine.aborts] == [
         ("ctx-abort", "inst-1")
     ]
-    for _ in range(200):
-        if not server.engine.running:
-            break
-        await asyncio.sleep(0.01)
-    assert not server.engine.running
+    await wait_until_async(lambda: not server.engine.running, 5, "the rollout ended")
     assert engine.inflight_request_ids() == []
 
 
@@ -190,14 +184,13 @@ async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
         await engine.cleanup()
 
 
-async def test_kv_event_source_and_cleanup(served: tuple[FakeServer, BridgeEngine]) -> None:
+async def test_the_kv_event_source_subscribes_with_a_snapshot_and_cleanup_is_idempotent(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
     server, engine = served
     sources = await engine.kv_event_sources()
     assert len(sources) == 1 and isinstance(sources[0], PushSource)
-    for _ in range(200):
-        if server.engine.kv_requests:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: server.engine.kv_requests, 5, "a KV-event subscription")
     assert server.engine.kv_requests[0].include_snapshot
     await engine.cleanup()
     await engine.cleanup()

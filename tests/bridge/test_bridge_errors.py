@@ -74,7 +74,7 @@ def test_lost_engine_server_is_migratable() -> None:
     assert isinstance(errors.to_dynamo(grpc.aio.UsageError("closed")), MIGRATABLE)
 
 
-def test_other_failures() -> None:
+def test_other_failures_map_to_dynamo_errors_keeping_their_cause() -> None:
     assert isinstance(errors.to_dynamo(RequestError("bad")), InvalidArgument)
     assert isinstance(errors.to_dynamo(ProtocolError("odd")), Unknown)
     assert isinstance(errors.to_dynamo(RuntimeError("x")), Unknown)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from bridge.client import EngineClient
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView, Verdict, to_signed
 from engine_contract.v1 import engine_pb2 as pb
+from harness.waits import wait_until_async
 from tests.bridge.bridge_fakes import FakeServer, RecordingPublisher
 
 BS = 2
@@ -51,7 +50,7 @@ def relay_with_publisher() -> tuple[RouterView, RecordingPublisher]:
     return relay, publisher
 
 
-def test_signed_conversion() -> None:
+def test_unsigned_hashes_convert_to_signed_64_bit() -> None:
     assert to_signed(0) == 0
     assert to_signed(2**63 - 1) == 2**63 - 1
     assert to_signed(2**63) == -(2**63)
@@ -193,11 +192,7 @@ async def test_stream_subscribes_resumes_and_stops() -> None:
         await fake.kv_batches.put(batch(3, stored(2, parent=1)))
         await fake.kv_batches.put(None)  # the server ends the stream: resume
         await fake.kv_batches.put(batch(4, stored(3, parent=2)))
-        for _ in range(200):
-            if pub.live_hashes() == {1, 2, 3}:
-                break
-            await asyncio.sleep(0.01)
-        assert pub.live_hashes() == {1, 2, 3}
+        await wait_until_async(lambda: pub.live_hashes() == {1, 2, 3}, 5, "blocks 1, 2, 3 live")
         assert fake.kv_requests[0].include_snapshot
         assert fake.kv_requests[1] == subscription(
             start_sequence_number=4, snapshot_if_unavailable=True, expected_instance_id="A"
@@ -215,23 +210,17 @@ async def test_overflow_before_the_publisher_resubscribes_for_a_snapshot() -> No
         relay.start()
         for seq in (1, 2, 3):
             await fake.kv_batches.put(batch(seq, stored(seq)))
-        for _ in range(200):
-            if fake.kv_batches.empty() and relay.view._overflowed:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(
+            lambda: fake.kv_batches.empty() and relay.view._overflowed,
+            5,
+            "the relay's buffer overflowed",
+        )
         pub = RecordingPublisher()
         relay.on_ready(pub)
-        for _ in range(200):
-            if len(fake.kv_requests) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(fake.kv_requests) == 2, 5, "a second subscription")
         assert [r.include_snapshot for r in fake.kv_requests] == [True, True]
         await fake.kv_batches.put(batch(3, cleared(), stored(1, 2, 3), snapshot=(0, True)))
-        for _ in range(200):
-            if pub.live_hashes() == {1, 2, 3}:
-                break
-            await asyncio.sleep(0.01)
-        assert pub.live_hashes() == {1, 2, 3}
+        await wait_until_async(lambda: pub.live_hashes() == {1, 2, 3}, 5, "blocks 1, 2, 3 live")
         await relay.stop()
         await client.close()
 

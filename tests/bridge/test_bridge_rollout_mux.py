@@ -15,19 +15,12 @@ from bridge.client import EngineClient, IncompatibleServerError
 from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
 from engine_contract.v1 import engine_pb2 as pb
+from harness.waits import wait_until_async
 from tests.bridge.bridge_fakes import FakeEngine, FakeServer
 
 
 def rollout(request_id: str, *prompt: int) -> pb.RolloutRequest:
     return pb.RolloutRequest(request_id=request_id, prompt_token_ids=list(prompt or (5, 6, 7)))
-
-
-async def eventually(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    assert predicate()
 
 
 @pytest.fixture
@@ -76,7 +69,9 @@ async def test_cancel_and_a_cancelled_waiter_abort_on_the_server(
     server.engine.hold_rollout = True
     pending = client.stream_rollout(rollout("held-1"))
     waiter = asyncio.ensure_future(client.stream_rollout(rollout("held-2")))
-    await eventually(lambda: server.engine.running == {"held-1", "held-2"})
+    await wait_until_async(
+        lambda: server.engine.running == {"held-1", "held-2"}, 5, "held-1 and held-2 running"
+    )
     assert pending.cancel() and pending.done()
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -84,7 +79,7 @@ async def test_cancel_and_a_cancelled_waiter_abort_on_the_server(
     with pytest.raises(asyncio.CancelledError):
         await waiter
     # The server cancelled both tasks: the fake's requests ended.
-    await eventually(lambda: not server.engine.running)
+    await wait_until_async(lambda: not server.engine.running, 5, "no rollout running")
     server.engine.hold_rollout = False
     assert (await client.stream_rollout(rollout("after"))).request_id == "after"
 
@@ -113,7 +108,7 @@ async def test_lost_server_fails_waiting_rollouts_unavailable_then_reconnects() 
     await client.wait_ready(5)
     try:
         waiting = [asyncio.ensure_future(client.stream_rollout(rollout(f"w{i}"))) for i in range(4)]
-        await eventually(lambda: len(server.engine.running) == 4)
+        await wait_until_async(lambda: len(server.engine.running) == 4, 5, "4 rollouts running")
         await server.server.stop(grace=None)
         results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
         codes = {r.code() for r in results if isinstance(r, grpc.aio.AioRpcError)}

@@ -87,7 +87,7 @@ async def test_abort_rollout_returns_partial_prefix(stub, server_info) -> None: 
     assert len(result.token_ids) < len(full.token_ids)
 
 
-async def test_abort_all(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+async def test_abort_all_ends_every_running_request_aborted(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     calls = [
         await start_stream(stub, long_generate(server_info, new_id("all"), seed=i, max_tokens=2000))
         for i in range(4)

@@ -81,7 +81,9 @@ async def assert_still_serving(stub) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("case", sorted(ROLLOUT_CASES))
-async def test_bad_rollout(stub, server_info, case: str) -> None:  # type: ignore[no-untyped-def]
+async def test_a_malformed_rollout_is_invalid_argument_naming_its_field(
+    stub, server_info, case: str
+) -> None:  # type: ignore[no-untyped-def]
     build, field = ROLLOUT_CASES[case]
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Rollout(build(server_info))
@@ -91,7 +93,9 @@ async def test_bad_rollout(stub, server_info, case: str) -> None:  # type: ignor
 
 
 @pytest.mark.parametrize("case", sorted(GENERATE_CASES))
-async def test_bad_generate(stub, server_info, case: str) -> None:  # type: ignore[no-untyped-def]
+async def test_a_malformed_generate_is_invalid_argument_naming_its_field(
+    stub, server_info, case: str
+) -> None:  # type: ignore[no-untyped-def]
     mutate, field = GENERATE_CASES[case]
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub, generate(server_info, mutate))
@@ -100,7 +104,7 @@ async def test_bad_generate(stub, server_info, case: str) -> None:  # type: igno
     await assert_still_serving(stub)
 
 
-async def test_message_over_the_size_limit(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+async def test_a_message_over_the_size_limit_is_resource_exhausted(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     limit = server_info.limits.max_message_bytes
     if limit > 16 * 1024 * 1024:
         pytest.skip(f"the server's limit ({limit} bytes) is too large to test cheaply")
@@ -115,7 +119,9 @@ async def test_message_over_the_size_limit(stub, server_info) -> None:  # type: 
     ("request_kw", "field"),
     [({}, "target"), ({"request_id": ""}, "request_id"), ({"all": False}, "all")],
 )
-async def test_bad_abort(stub, request_kw: dict[str, object], field: str) -> None:  # type: ignore[no-untyped-def]
+async def test_a_malformed_abort_is_invalid_argument_naming_its_field(
+    stub, request_kw: dict[str, object], field: str
+) -> None:  # type: ignore[no-untyped-def]
     request = pb.AbortRequest(**request_kw)  # type: ignore[arg-type]
     if "request_id" in request_kw:
         request.request_id = ""  # set the oneof to an empty id explicitly

@@ -42,7 +42,7 @@ async def test_no_logprobs_unless_asked(stub, server_info) -> None:  # type: ign
     assert len(result.token_ids) == 5 and result.logprobs == []
 
 
-async def test_top_logprobs(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+async def test_top_logprobs_come_sorted_with_the_greedy_token_first(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     request = greedy(server_info, seed=2, max_tokens=6)
     request.output.logprobs = 3
     result = await collect(stub, request)
@@ -56,7 +56,7 @@ async def test_top_logprobs(stub, server_info) -> None:  # type: ignore[no-untyp
         assert top.logprobs[0] == logprob or token in top.token_ids
 
 
-async def test_stop_token_and_min_tokens(stub, server_info) -> None:  # type: ignore[no-untyped-def]
+async def test_a_stop_token_ends_generation_but_not_before_min_tokens(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     base = await collect(stub, greedy(server_info, seed=4, max_tokens=24))
     tokens = base.token_ids
     # The first token (after position 2) whose first occurrence is there.

@@ -113,7 +113,9 @@ async def test_budget_is_clamped_to_the_context(stub, server_info) -> None:  # t
 @pytest.mark.parametrize(
     "how", ["prompt fills the context", "prompt longer than the context", "max_new_tokens 0"]
 )
-async def test_nothing_generated(stub, server_info, how: str) -> None:  # type: ignore[no-untyped-def]
+async def test_a_rollout_with_no_room_to_generate_finishes_empty_by_length(
+    stub, server_info, how: str
+) -> None:  # type: ignore[no-untyped-def]
     context = server_info.engine_config.context_length
     if how == "max_new_tokens 0":
         request = rollout(server_info, greedy=True, max_new_tokens=0)

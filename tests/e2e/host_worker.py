@@ -7,7 +7,7 @@ file (the bridge's pid, its engine server's address), answers "direct" greedy
 generations on its engine when asked through a request file, and runs until
 SIGTERM.
 
-    python tests/e2e/host_worker.py --engine vllm|sim --model DIR --name NAME \
+    python -m tests.e2e.host_worker --engine vllm|sim --model DIR --name NAME \
         --namespace NS --status FILE [--worker-idx N]
 """
 
@@ -22,9 +22,6 @@ import signal
 import sys
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 HOST_FORMAT = "HOST %(levelname)s %(name)s: %(message)s"
 

@@ -196,7 +196,7 @@ def sse_events(stack: Stack, path: str, body: dict[str, Any]) -> list[dict[str, 
     return events
 
 
-def test_streaming_completion(stack: Stack) -> None:
+def test_completions_stream_their_text_and_carry_logprobs(stack: Stack) -> None:
     events = sse_events(
         stack,
         "/v1/completions",
@@ -228,7 +228,7 @@ def test_streaming_completion(stack: Stack) -> None:
     assert len(logprobs["token_logprobs"]) == 8 and len(logprobs["top_logprobs"]) == 8
 
 
-def test_chat(stack: Stack) -> None:
+def test_chat_completions_are_answered_plain_and_streamed(stack: Stack) -> None:
     status, body = http_json(
         f"{stack.base_url}/v1/chat/completions",
         {

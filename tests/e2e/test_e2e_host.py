@@ -28,7 +28,7 @@ from harness.waits import wait_until
 
 pytestmark = pytest.mark.dynamo
 
-HOST = Path(__file__).with_name("host_worker.py")
+HOST = "tests.e2e.host_worker"
 
 
 @dataclass
@@ -51,7 +51,8 @@ def start_host(
     status = stack.root / f"{name}.json"
     argv = [
         sys.executable,
-        str(HOST),
+        "-m",
+        HOST,
         "--engine",
         engine,
         "--model",

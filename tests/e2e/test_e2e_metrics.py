@@ -62,7 +62,9 @@ def start(
     )
 
 
-async def test_scrapes_after_known_traffic(tmp_path: Path, model_dir: Path) -> None:
+async def test_the_engine_and_bridge_metrics_count_exactly_the_traffic_sent(
+    tmp_path: Path, model_dir: Path
+) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
         stack, engine_url, bridge_url = start(tmp_path, group, model_dir)
         before = scrape(bridge_url)
@@ -120,7 +122,7 @@ async def test_scrapes_after_known_traffic(tmp_path: Path, model_dir: Path) -> N
     ("kind", "transport"),
     [("rollout", "stream"), ("rollout", "unary"), ("completion", "stream")],
 )
-def test_one_id_across_three_logs(
+def test_one_request_id_and_trace_id_appear_in_all_three_logs(
     tmp_path: Path, model_dir: Path, kind: str, transport: str
 ) -> None:
     """Dynamo's request id in the frontend's log (INFO), the bridge's and the engine

@@ -72,7 +72,9 @@ async def test_greedy_rollout_identical_to_the_engine_server(
     assert result.truncated and result.finish_reason == "length"
 
 
-def test_completion_and_chat(vllm_stack: tuple[str, str, Proc]) -> None:
+def test_completions_and_chat_are_served_by_vllm_through_the_bridge(
+    vllm_stack: tuple[str, str, Proc],
+) -> None:
     base_url, _, _ = vllm_stack
     status, body = http_json(
         f"{base_url}/v1/completions",

@@ -3,9 +3,7 @@ KV router's hit rate through the frontend, and a record of measured figures."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +11,7 @@ import aiohttp
 
 from harness import ARTIFACTS
 from harness.engine import long_sim_args
+from harness.waits import wait_until_probe_async
 
 # Long requests: EOS never likeliest, 20 ms per decode step.
 LONG_SIM_ARGS = (
@@ -70,10 +69,11 @@ async def kv_hit_rate(
 async def wait_kv_hit(
     session: aiohttp.ClientSession, base_url: str, model: str, tokens: Sequence[int]
 ) -> float:
-    """Poll until the router scores hits for ``tokens`` (KV events travel asynchronously)."""
-    deadline = time.monotonic() + 15
-    while True:
-        hit = await kv_hit_rate(session, base_url, model, tokens=tokens)
-        if hit or time.monotonic() > deadline:
-            return hit or 0.0
-        await asyncio.sleep(0.2)
+    """Until the router scores hits for ``tokens`` (KV events travel asynchronously):
+    that hit rate; WaitTimeout after 15 s."""
+    return await wait_until_probe_async(
+        lambda: kv_hit_rate(session, base_url, model, tokens=tokens),
+        15,
+        "the router to score KV hits",
+        interval=0.2,
+    )

@@ -141,7 +141,7 @@ def test_bad_input_gets_a_4xx_naming_the_problem(
         proc.check_alive()
 
 
-def test_malformed_json_body(stack: Stack) -> None:
+def test_a_malformed_json_body_is_answered_400(stack: Stack) -> None:
     request = urllib.request.Request(
         f"{stack.base_url}/v1/completions",
         data=b'{"model": "x", "prompt": [1,',

@@ -18,7 +18,7 @@ from harness.engine import idle, snapshot_blocks, wait_load
 from harness.http import post_rollout
 from harness.procs import ProcessGroup
 from harness.stack import Stack
-from harness.waits import wait_until
+from harness.waits import wait_until, wait_until_probe_async
 from tests.faults.faults_common import (
     KV_PROMPT,
     LONG_SIM_ARGS,
@@ -78,13 +78,13 @@ async def test_bridge_killed_with_requests_in_flight(tmp_path: Path, model_dir: 
             # and slack for a loaded machine.)
             await asyncio.sleep(1.0)
 
-            deadline = time.monotonic() + 60
-            while True:
-                hit = await kv_hit_rate(session, base, MODEL, check=False)
-                if hit is not None:
-                    break
-                assert time.monotonic() < deadline, "the new bridge does not serve"
-                await asyncio.sleep(0.1)
+            hit = await wait_until_probe_async(
+                lambda: kv_hit_rate(session, base, MODEL, check=False),
+                60,
+                "the new bridge to serve",
+                interval=0.1,
+                done=lambda hit: hit is not None,
+            )
             serving_s = time.monotonic() - started
             # The very first request through the new bridge already scores the
             # engine's cached prefix: the router learnt it from the snapshot.

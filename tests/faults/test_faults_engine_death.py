@@ -23,7 +23,7 @@ from harness.http import Outcome, http_json, post_rollout, post_stream, stream_b
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
-from harness.waits import wait_until
+from harness.waits import wait_until, wait_until_probe_async
 from tests.faults.faults_common import (
     LONG_SIM_ARGS,
     kv_hit_rate,
@@ -112,15 +112,14 @@ async def test_engine_server_killed_with_requests_in_flight(
             # A new engine server, same address: the bridge serves within 1 s of it being ready.
             engine2, _ = stack.start_engine("engine-2", *LONG_SIM_ARGS, listen=listen)
             ready_at = (group.log_dir / "engine-2.addr").stat().st_mtime
-            deadline = time.monotonic() + 30
-            while True:
-                answer = await post_rollout(session, base, MODEL, prompt(8), max_tokens=2)
-                if answer.status == 200:
-                    served_at = time.time()
-                    break
-                assert time.monotonic() < deadline, (answer.status, answer.body)
-                await asyncio.sleep(0.02)
-            recovery = served_at - ready_at
+            answer = await wait_until_probe_async(
+                lambda: post_rollout(session, base, MODEL, prompt(8), max_tokens=2),
+                30,
+                "a rollout served by the new engine server",
+                interval=0.02,
+                done=lambda answer: answer.status == 200,
+            )
+            recovery = time.time() - ready_at
             first = driver.parse_rollout_response(answer.body)
             assert first.instance_id and len(first.token_ids) == 2
             bridge.check_alive()

@@ -35,7 +35,9 @@ async def workers_serving(session: aiohttp.ClientSession, base: str, tries: int)
     return seen
 
 
-async def test_frontend_restart(tmp_path: Path, model_dir: Path) -> None:
+async def test_a_killed_frontend_frees_the_engines_and_a_restarted_one_serves_the_same_workers(
+    tmp_path: Path, model_dir: Path
+) -> None:
     port = free_port()
     with ProcessGroup(tmp_path / "logs") as group:
         stack = Stack.new(tmp_path, group, model_dir, MODEL)

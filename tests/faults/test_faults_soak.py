@@ -30,7 +30,8 @@ def soak(name: str) -> dict[str, Any]:
     run = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "soak.py"),
+            "-m",
+            "scripts.soak",
             "--duration-s",
             "60",
             "--out",
@@ -52,7 +53,7 @@ def soak(name: str) -> dict[str, Any]:
     return figures
 
 
-def test_soak_one_minute() -> None:
+def test_a_one_minute_soak_leaks_no_requests_and_keeps_rss_flat() -> None:
     first = soak("soak-60s")
     if first["worst_rss_growth_pct"] <= RSS_TOLERANCE_PCT:
         return

@@ -14,7 +14,7 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.cli import build_parser, config_from_args
-from harness.engine import sim_cli_args
+from harness.engine import sim_cli_args, wait_load_async
 from harness.procs import Proc, ProcessGroup
 from tests.faults.faults_common import record
 
@@ -73,14 +73,14 @@ async def test_stalled_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None
             load = await _load(ctl)
             assert load.registered_requests == 1, load
 
-            deadline = stalled_at + WATCHDOG_S + 15.0
-            while time.monotonic() < deadline:
-                load = await _load(ctl)
-                if load.registered_requests == 0 and load.running_requests == 0:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_load_async(
+                ctl,
+                lambda load: load.registered_requests == 0 and load.running_requests == 0,
+                WATCHDOG_S + 15.0,
+                "the watchdog to free the stalled request",
+                interval=0.05,
+            )
             freed_s = time.monotonic() - stalled_at
-            assert load.registered_requests == 0 and load.running_requests == 0, load
             assert engine.alive()
             # Reading again drains what was buffered, then the watchdog's status.
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -113,7 +113,9 @@ async def test_stalled_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("flag", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", None)], ids=["default", "set", "off"]
 )
-def test_stream_write_timeout_flag(flag: str | None, expected: float | None) -> None:
+def test_the_stream_write_timeout_defaults_to_30s_and_0_turns_it_off(
+    flag: str | None, expected: float | None
+) -> None:
     argv = sim_cli_args() + (["--stream-write-timeout-s", flag] if flag is not None else [])
     assert config_from_args(build_parser("sim").parse_args(argv)).stream_write_timeout_s == expected
 
@@ -177,16 +179,17 @@ async def test_stalled_rollouts_stream_is_aborted_by_the_watchdog(tmp_path: Path
             started = time.monotonic()
             # Never read. What still runs is aborted once a write waited too long;
             # left alone, the long rollouts would run for 15k decode steps (30 s).
-            deadline = started + 60.0
-            saw_running = False
-            while time.monotonic() < deadline:
-                load = await _load(ctl)
-                saw_running = saw_running or load.registered_requests > 0
-                if saw_running and load.registered_requests == 0:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_load_async(
+                ctl, lambda load: load.registered_requests > 0, 10, "the rollouts registered"
+            )
+            load = await wait_load_async(
+                ctl,
+                lambda load: load.registered_requests == 0,
+                60.0,
+                "the watchdog to free the stalled stream's rollouts",
+                interval=0.05,
+            )
             freed_s = time.monotonic() - started
-            assert saw_running and load.registered_requests == 0, load
             assert load.running_requests == 0 and engine.alive()
             assert freed_s < 25.0, f"rollouts of a stalled stream ran on for {freed_s:.1f}s"
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -22,9 +22,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from harness.engine import wait_load
 from harness.http import post_rollout, post_stream, served_models, stream_body
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack, registered_workers
+from harness.waits import wait_until
 from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
@@ -56,10 +58,7 @@ async def until(
 ) -> float:
     """Poll ``predicate()`` (off the loop) until truthy; the seconds it took."""
     started = time.monotonic()
-    while not await asyncio.to_thread(predicate):
-        elapsed = time.monotonic() - started
-        assert elapsed < timeout, f"{what}: not within {timeout}s"
-        await asyncio.sleep(interval)
+    await asyncio.to_thread(wait_until, predicate, timeout, what, (), interval)
     return time.monotonic() - started
 
 
@@ -192,7 +191,13 @@ async def test_paused_engine_server_fails_requests_fast_and_rejoins(
                     session, f"{base}/v1/completions", stream_body(model, prompt(3), 1500), 60
                 )
             )
-            await asyncio.sleep(1.0)
+            await asyncio.to_thread(
+                wait_load,
+                address,
+                lambda load: load.running_requests == 2,
+                10,
+                "both requests running on the engine",
+            )
             assert not rollout.done() and not streamed.done()
 
             with stopped(engine):

@@ -39,18 +39,21 @@ def rollout(stack: Stack) -> driver.RolloutResult:
 
 
 def served_by_new(stack: Stack, bridge: Proc, old: str, timeout: float = 20) -> tuple[str, float]:
-    """Until a rollout comes back from an instance other than ``old``."""
+    """Until a rollout comes back from an instance other than ``old``: that instance,
+    and the seconds it took."""
     started = time.monotonic()
-    deadline = started + timeout
-    while True:
+
+    def new_instance() -> str | None:
         try:
             instance = rollout(stack).instance_id
         except AssertionError:
-            instance = old
-        if instance != old:
-            return instance, time.monotonic() - started
-        assert time.monotonic() < deadline, bridge.log_tail()
-        time.sleep(0.2)
+            return None
+        return instance if instance != old else None
+
+    instance = wait_until(
+        new_instance, timeout, f"a rollout from an instance other than {old}", [bridge], 0.2
+    )
+    return instance, time.monotonic() - started
 
 
 def sim_stack(

@@ -47,7 +47,9 @@ def limit_of(err: grpc.RpcError) -> str:
 
 
 @pytest.mark.slow
-def test_100k_starts_in_one_message(tmp_path: Path) -> None:
+def test_100k_starts_in_one_message_are_each_answered_once_past_the_limit_refused(
+    tmp_path: Path,
+) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
         engine, address = group.engine_server("engine", "--zero-delay")
         channel = grpc.insecure_channel(

@@ -18,6 +18,7 @@ from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.engine import InProcessServer, health_status, sim_cli_args
 from harness.procs import ProcessGroup
+from harness.waits import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -75,7 +76,9 @@ def test_drain_finishes_short_requests_aborts_long_ones_and_refuses_new() -> Non
             stopping = asyncio.ensure_future(
                 asyncio.wrap_future(server.submit(server.handle.stop()))
             )
-            await asyncio.sleep(0.2)
+            await asyncio.to_thread(
+                wait_until, lambda: health_status(address, "") == NOT_SERVING, 5, "draining"
+            )
             health = health_pb2_grpc.HealthStub(channel)
             status = await health.Check(health_pb2.HealthCheckRequest(service=""))
             assert status.status == NOT_SERVING
@@ -133,7 +136,7 @@ def test_sigterm_repeated_until_it_exits_still_exits_zero(tmp_path: Path) -> Non
         assert "[shutdown] stopped" in proc.log_tail()
 
 
-def test_unix_socket(tmp_path: Path) -> None:
+def test_the_server_serves_on_a_unix_socket(tmp_path: Path) -> None:
     server = inproc("--listen", f"unix:{tmp_path}/engine.sock").start()
     try:
         assert server.address == f"unix:{tmp_path}/engine.sock"

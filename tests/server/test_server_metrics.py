@@ -132,7 +132,7 @@ async def test_rollouts_rpcs_tokens_kv_and_state(tmp_path: Path) -> None:
         )
 
 
-async def test_aborts_by_cause(tmp_path: Path) -> None:
+async def test_aborts_are_counted_by_their_cause(tmp_path: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
         address, url = metrics_server(group, "--decode-step-ms", "5", "--eos-rate", "0")
         async with grpc.aio.insecure_channel(address) as channel:

@@ -57,7 +57,7 @@ def completion(request_id: str) -> pb.GenerateRequest:
     return request
 
 
-def test_unary_call_metadata(
+def test_a_unary_call_passes_only_the_trace_headers_to_the_engine(
     server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
 ) -> None:
     address, seen = server[0].address, server[1]

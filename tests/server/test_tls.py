@@ -87,7 +87,7 @@ def info(address: str, credentials: grpc.ChannelCredentials) -> pb.GetServerInfo
         )
 
 
-def test_tls_server_certificate(pki: Path) -> None:
+def test_a_tls_server_answers_clients_trusting_its_ca_and_refuses_plaintext(pki: Path) -> None:
     server = start(pki, client_ca=False)
     try:
         trusted = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())

@@ -20,7 +20,9 @@ from engine_server.addresses import parse_listen_address
         ("unix:///tmp/x.sock", True, "unix:/tmp/x.sock"),
     ],
 )
-def test_parse(text: str, loopback: bool, target: str) -> None:
+def test_a_listen_address_parses_to_its_loopbackness_and_grpc_target(
+    text: str, loopback: bool, target: str
+) -> None:
     address = parse_listen_address(text)
     assert address.is_loopback() is loopback
     assert address.grpc_target() == target

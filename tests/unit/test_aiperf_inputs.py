@@ -1,4 +1,4 @@
-"""scripts/aiperf_inputs.py writes what aiperf's inputs_json loader takes and what
+"""scripts.aiperf_inputs writes what aiperf's inputs_json loader takes and what
 the bridge serves as rollouts with their text."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def test_inputs_are_rollouts_with_text(tmp_path: Path) -> None:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "aiperf_inputs.py"),
+            "-m",
+            "scripts.aiperf_inputs",
             "--model",
             "m",
             "--model-dir",
@@ -34,6 +35,7 @@ def test_inputs_are_rollouts_with_text(tmp_path: Path) -> None:
             "8",
             "--stream",
         ],
+        cwd=ROOT,
         check=True,
     )
     data = json.loads(out.read_text())["data"]

@@ -11,6 +11,7 @@ import grpc
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import InvalidRequest
 from engine_server.generate_stream import GenerateStream
+from harness.waits import wait_until_async
 
 
 class Context:
@@ -151,8 +152,18 @@ async def test_deltas_queued_behind_a_slow_write_are_merged_per_completion() -> 
     ctx.gate.clear()
     requests.start(1, 2, 3, tokens=50)
     requests.queue.put_nowait(None)
-    serving = asyncio.ensure_future(stream(ctx).serve(requests))
-    await asyncio.sleep(0.05)  # every completion finishes while the first write waits
+    finished: list[str] = []
+
+    async def counted(request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+        async for response in deltas(request):
+            if response.HasField("finished"):
+                finished.append(request.request_id)
+            yield response
+
+    s = GenerateStream(counted, ctx, max_message_bytes=1 << 20, write_timeout_s=None)  # type: ignore[arg-type]
+    serving = asyncio.ensure_future(s.serve(requests))
+    # Every completion finishes while the first write waits.
+    await wait_until_async(lambda: len(finished) == 3, 5, "the three completions finished")
     ctx.gate.set()
     await asyncio.wait_for(serving, 5)
     for tag in (1, 2, 3):
@@ -187,7 +198,7 @@ async def test_cancel_by_tag_ends_the_completion_cancelled() -> None:
     ctx, requests = Context(), Requests()
     requests.start(5, tokens=999)
     serving = asyncio.ensure_future(stream(ctx).serve(requests))
-    await asyncio.sleep(0.01)
+    await wait_until_async(lambda: ctx.deltas(5), 5, "the completion's first delta")
     requests.queue.put_nowait(pb.GeneratesRequest(cancel=[5]))
     requests.queue.put_nowait(None)
     await asyncio.wait_for(serving, 5)
@@ -292,7 +303,9 @@ async def test_an_unpaced_completion_on_the_same_stream_is_not_held() -> None:
     held = ctx.deltas(1)
     assert len(held) == 1 and not held[0].response.HasField("finished")
     requests.queue.put_nowait(pb.GeneratesRequest(taken=[1]))
-    await asyncio.sleep(0.05)
+    await wait_until_async(
+        lambda: ctx.deltas(1)[-1].response.HasField("finished"), 5, "tag 1 finished once taken"
+    )
     held = ctx.deltas(1)
     assert tokens(held) == list(range(20)) and len(held) == 2  # the rest in one delta
     requests.queue.put_nowait(None)
@@ -304,7 +317,7 @@ async def test_a_held_paced_completion_is_cancelled_by_tag() -> None:
     ctx, requests = Context(), Requests()
     requests.queue.put_nowait(paced_start(3))
     serving = asyncio.ensure_future(stream_of(engine, ctx).serve(requests))
-    await asyncio.sleep(0.05)
+    await wait_until_async(lambda: ctx.deltas(3), 5, "the held completion's first delta")
     requests.queue.put_nowait(pb.GeneratesRequest(cancel=[3]))
     requests.queue.put_nowait(None)
     await asyncio.wait_for(serving, 5)

@@ -12,6 +12,7 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import Draining, InvalidRequest, StreamStalled
 from engine_server.rollout_stream import RolloutStream
+from harness.waits import wait_until_async
 
 
 class Context:
@@ -112,7 +113,7 @@ async def test_cancel_answers_cancelled_and_a_duplicate_tag_is_refused() -> None
     serving = asyncio.ensure_future(rollouts.serve(requests))
     requests.start(5, size=999)
     requests.start(5, size=1)
-    await asyncio.sleep(0.01)
+    await wait_until_async(lambda: ctx.written, 5, "the duplicate tag refused")
     requests.queue.put_nowait(pb.RolloutsRequest(cancel=[5, 77]))
     requests.queue.put_nowait(None)
     await asyncio.wait_for(serving, 5)

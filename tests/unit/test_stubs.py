@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_check(root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(root / "scripts" / "gen_proto.py"), "--check"],
+        [sys.executable, "-m", "scripts.gen_proto", "--check"],
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=120,
@@ -44,7 +45,8 @@ def test_make_proto_is_idempotent(tmp_path: Path) -> None:
     before = {p: p.read_bytes() for p in (tmp_path / "engine_contract").rglob("*_pb2*")}
     for _ in range(2):
         result = subprocess.run(
-            [sys.executable, str(tmp_path / "scripts" / "gen_proto.py")],
+            [sys.executable, "-m", "scripts.gen_proto"],
+            cwd=tmp_path,
             capture_output=True,
             text=True,
             timeout=120,

@@ -151,7 +151,7 @@ def pick_stop_string(tokenizer: Any, ids: list[int]) -> str | None:
     return None
 
 
-async def test_engine_info_from_vllm_config(host: Host) -> None:
+async def test_the_engine_info_is_read_from_vllms_config(host: Host) -> None:
     cfg = host.engine.vllm_config
     info = host.info
     assert info.backend_name == "vllm" and info.backend_version == "0.32.0"

@@ -14,7 +14,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.ports import free_port
+from harness.waits import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -41,22 +41,24 @@ EOS = 1
 
 
 def wait_serving(address: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    """Until the server at ``address`` says SERVING; fails at once when it exits."""
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+        request = health_pb2.HealthCheckRequest(service=engine_contract.SERVICE_NAME)
+
+        def serving() -> bool:
             if proc.poll() is not None:
                 raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()[-4000:]}")
             try:
-                answer = health.Check(
-                    health_pb2.HealthCheckRequest(service=engine_contract.SERVICE_NAME), timeout=2
-                )
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                answer = health.Check(request, timeout=2)
             except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise AssertionError(f"not SERVING within {timeout}s:\n{log.read_text()[-4000:]}")
+                return False
+            return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+        try:
+            wait_until(serving, timeout, "SERVING", interval=0.5)
+        except WaitTimeout as e:
+            raise AssertionError(f"{e}\n{log.read_text()[-4000:]}") from None
 
 
 def start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:

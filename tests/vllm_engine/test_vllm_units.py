@@ -79,7 +79,7 @@ def test_sampling_spec_maps_one_to_one() -> None:
     assert to_sampling_params(SamplingSpec(max_tokens=1)).logprobs is None
 
 
-def test_logprobs_sampled_and_top_k() -> None:
+def test_the_sampled_tokens_logprob_and_the_top_k_are_kept_apart() -> None:
     k = 2
     conv = OutputConverter(SamplingSpec(max_tokens=3, logprobs=k), 3)
     lps = [
@@ -100,7 +100,7 @@ def test_logprobs_sampled_and_top_k() -> None:
     assert not out.finished
 
 
-def test_finish_and_stop_reasons() -> None:
+def test_vllm_finish_and_stop_reasons_convert_to_the_backends() -> None:
     def final(tokens: list[int], reason: str, stop: int | str | None) -> object:
         conv = OutputConverter(SamplingSpec(max_tokens=4), 3)
         conv.convert(request_output([9], None))
@@ -132,7 +132,7 @@ def test_routed_experts_only_when_asked_and_little_endian() -> None:
         assert (out.routed_experts is not None) == asked
 
 
-def test_kv_batch_conversion() -> None:
+def test_vllm_kv_batches_convert_to_the_contract_without_offloaded_tiers() -> None:
     big = (1 << 64) - 5
     batch = vkv.KVEventBatch(
         ts=1.5,
@@ -174,7 +174,7 @@ def test_kv_batch_conversion() -> None:
     )
 
 
-def test_subscriber_side() -> None:
+def test_the_subscriber_connects_to_a_wildcard_endpoint_and_binds_a_specific_one() -> None:
     assert subscriber_side("tcp://*:5557") == ("connect", "tcp://127.0.0.1:5557")
     assert subscriber_side("tcp://127.0.0.1:6000") == ("bind", "tcp://127.0.0.1:6000")
     assert subscriber_side("ipc:///tmp/x") == ("connect", "ipc:///tmp/x")

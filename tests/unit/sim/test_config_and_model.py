@@ -30,7 +30,7 @@ def test_cli_defaults_match_config_defaults():
     assert backend.config == SimConfig()
 
 
-def test_cli_flags():
+def test_every_sim_flag_sets_its_config_field():
     args = parse(
         [
             "--served-model-name", "demo", "--seed", "9", "--context-length", "1024",
@@ -74,14 +74,14 @@ def test_cli_flags():
         ({"routed_experts": None, "eos_rate": 2.0}, "eos_rate"),
     ],
 )
-def test_config_validation(fields, message):
+def test_an_inconsistent_sim_config_is_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         SimBackend(**fields)
     with pytest.raises(ValueError, match="top_k"):
         RoutedExpertsConfig(2, 9, 8)
 
 
-async def test_routed_experts(make_backend):
+async def test_routed_experts_come_with_the_final_output_only_and_repeat(make_backend):
     backend, _ = await make_backend(routed_experts=RoutedExpertsConfig(3, 2, 64))
     assert backend.info.reports_routed_experts
     prompt = list(range(10, 30))
@@ -102,7 +102,7 @@ async def test_routed_experts(make_backend):
     assert plain[-1].routed_experts is None
 
 
-async def test_routed_experts_uint16(make_backend):
+async def test_routed_experts_past_256_experts_are_uint16(make_backend):
     backend, _ = await make_backend(routed_experts=RoutedExpertsConfig(2, 4, 300))
     spec = SamplingSpec(max_tokens=3, ignore_eos=True, return_routed_experts=True)
     experts = (await collect(backend, "r", [1, 2, 3, 4], spec))[-1].routed_experts
@@ -131,7 +131,7 @@ def model_dir(tmp_path):
     return directory
 
 
-async def test_model_dir(make_backend, model_dir):
+async def test_a_model_folder_sets_the_vocabulary_text_and_eos(make_backend, model_dir):
     backend, _ = await make_backend(model=str(model_dir), context_length=256)
     info = backend.info
     assert info.model_name == "tiny-model" and info.model_path == str(model_dir)
@@ -159,7 +159,7 @@ async def test_model_dir(make_backend, model_dir):
     assert eos_run[-1].stop_reason in (2, 9)
 
 
-def test_model_dir_errors(tmp_path):
+def test_a_missing_or_incomplete_model_folder_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         SimBackend(model=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"tokenizer\.json"):

@@ -14,6 +14,7 @@ from engine_server.backends.base import (
     SamplingSpec,
 )
 from engine_server.backends.sim import SimBackend
+from harness.waits import wait_until_async
 from tests.unit.sim.sim_helpers import collect, logprobs_of, tokens_of
 
 PROMPT = list(range(40))
@@ -23,7 +24,21 @@ def spec(n: int, **kw) -> SamplingSpec:
     return SamplingSpec(max_tokens=n, ignore_eos=True, **kw)
 
 
-async def test_info_and_load(make_backend):
+async def registered(backend: SimBackend, count: int) -> None:
+    """Until ``count`` requests are registered (running or waiting), then until the
+    engine has scheduled with them: the step under way ends, and the next one."""
+    await wait_until_async(
+        lambda: backend.load().running + backend.load().waiting == count,
+        5,
+        f"{count} requests registered",
+    )
+    steps = backend.engine.num_steps
+    await wait_until_async(
+        lambda: backend.engine.num_steps >= steps + 2, 5, "a scheduling step with them"
+    )
+
+
+async def test_info_and_load_describe_the_configured_engine_at_rest(make_backend):
     backend, _ = await make_backend(num_kv_blocks=300, max_num_seqs=8, served_model_name="m")
     info = backend.info
     assert info.model_name == "m" and info.backend_name == "sim" and info.backend_version
@@ -38,7 +53,7 @@ async def test_info_and_load(make_backend):
 async def test_requests_wait_beyond_max_num_seqs(make_backend):
     backend, _ = await make_backend(max_num_seqs=2, zero_delay=False, decode_step_ms=10.0)
     tasks = [asyncio.create_task(collect(backend, f"r{i}", PROMPT, spec(40))) for i in range(4)]
-    await asyncio.sleep(0.05)
+    await registered(backend, 4)
     load = backend.load()
     assert (load.running, load.waiting) == (2, 2)
     # Only the running ones hold blocks: 40-token prompts plus under 40 tokens each.
@@ -54,9 +69,9 @@ async def test_requests_wait_for_kv_blocks(make_backend):
         block_size=4, num_kv_blocks=10, context_length=40, zero_delay=False, decode_step_ms=20.0
     )
     a = asyncio.create_task(collect(backend, "a", list(range(24)), spec(12)))
-    await asyncio.sleep(0.01)
+    await wait_until_async(lambda: backend.load().running == 1, 5, "request a running")
     b = asyncio.create_task(collect(backend, "b", list(range(100, 124)), spec(12)))
-    await asyncio.sleep(0.01)
+    await registered(backend, 2)
     assert (backend.load().running, backend.load().waiting) == (1, 1)
     outs_a, outs_b = await asyncio.gather(a, b)
     assert len(tokens_of(outs_a)) == len(tokens_of(outs_b)) == 12
@@ -127,8 +142,7 @@ async def test_aborting_a_waiting_request(make_backend):
     backend, _ = await make_backend(max_num_seqs=1, zero_delay=False, decode_step_ms=2.0)
     running = asyncio.create_task(collect(backend, "a", PROMPT, spec(20)))
     waiting = asyncio.create_task(collect(backend, "b", PROMPT, spec(20)))
-    await asyncio.sleep(0.01)
-    assert backend.load().waiting == 1
+    await wait_until_async(lambda: backend.load().waiting == 1, 5, "request b waiting")
     await backend.abort("b")
     outs = await waiting
     assert tokens_of(outs) == [] and outs[-1].finish_reason is FinishReason.ABORTED
@@ -145,8 +159,7 @@ async def test_aclose_and_cancel_remove_the_request(make_backend):
     assert backend.load().running == 0 and backend.load().kv_blocks_used == 0
 
     task = asyncio.create_task(collect(backend, "r", PROMPT, spec(1000)))  # id reusable
-    await asyncio.sleep(0.02)
-    assert backend.load().running == 1
+    await wait_until_async(lambda: backend.load().running == 1, 5, "the reused id running")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -154,7 +167,7 @@ async def test_aclose_and_cancel_remove_the_request(make_backend):
     assert backend.cached_block_hashes()  # full blocks stay cached
 
 
-async def test_request_errors(make_backend):
+async def test_a_duplicate_or_invalid_request_is_refused(make_backend):
     backend, _ = await make_backend(zero_delay=False, decode_step_ms=2.0)
     gen = backend.generate("dup", PROMPT, spec(1000))
     await gen.__anext__()
@@ -176,7 +189,7 @@ async def test_request_errors(make_backend):
 async def test_shutdown_aborts_and_kills(make_backend):
     backend, _ = await make_backend(zero_delay=False, decode_step_ms=2.0)
     task = asyncio.create_task(collect(backend, "r", PROMPT, spec(1000)))
-    await asyncio.sleep(0.02)
+    await wait_until_async(lambda: backend.load().running == 1, 5, "the request running")
     await backend.check_health()
     await backend.shutdown()
     outs = await task
@@ -188,7 +201,7 @@ async def test_shutdown_aborts_and_kills(make_backend):
     await backend.shutdown()  # idempotent
 
 
-async def test_startup_delay():
+async def test_start_takes_the_configured_startup_delay():
     backend = SimBackend(startup_delay_s=0.05)
     t0 = time.monotonic()
     info = await backend.start(None)
@@ -218,7 +231,7 @@ async def test_zero_delay_16k_tokens_is_fast(make_backend):
 async def test_engine_failure_is_reported_as_dead(make_backend):
     backend, _ = await make_backend(zero_delay=False, decode_step_ms=2.0)
     task = asyncio.create_task(collect(backend, "r", PROMPT, spec(1000)))
-    await asyncio.sleep(0.02)
+    await wait_until_async(lambda: backend.load().running == 1, 5, "the request running")
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -89,7 +89,7 @@ async def test_lru_eviction_emits_removed_for_least_recently_used(make_backend):
     assert set(a_hashes) <= backend.cached_block_hashes()
 
 
-def test_cache_unit_allocation_commit_free():
+def test_freed_blocks_stay_cached_until_allocation_evicts_them():
     cache = PrefixCache(num_blocks=3, block_size=2)
     h1, h2 = extend_hash(ROOT_HASH, [1, 2]), extend_hash(extend_hash(ROOT_HASH, [1, 2]), [3, 4])
     blocks = cache.allocate(2)
@@ -110,7 +110,7 @@ def test_cache_unit_allocation_commit_free():
     assert cache.reset() is False  # blocks in use
 
 
-async def test_reset_prefix_cache(make_backend):
+async def test_the_prefix_cache_resets_only_when_no_request_holds_blocks(make_backend):
     backend, events = await make_backend(decode_step_ms=2.0, zero_delay=False)
     await collect(backend, "a", list(range(100)), greedy(2))
     assert backend.cached_block_hashes()
