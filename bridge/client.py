@@ -12,7 +12,7 @@ import enum
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +22,7 @@ from bridge.generate_mux import GenerateMux, PendingGenerate
 from bridge.refit_rpc import RefitRpc
 from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
 from bridge.tls import TlsOptions, aio_channel, diagnose
+from engine_contract.flags import flag
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 
@@ -52,7 +53,13 @@ class IncompatibleServerError(RuntimeError):
 
 @dataclass(frozen=True)
 class ClientOptions:
-    max_message_bytes: int = 64 * MIB
+    # Fields with flag(...) metadata are the bridge's flags (bridge.config), each
+    # with its environment variable (BRIDGE_ and the flag: BRIDGE_ABORT_TIMEOUT_S).
+    max_message_bytes: int = field(
+        default=64 * MIB,
+        # bridge.config also takes the old --max-message-mib (MiB).
+        metadata=flag("Largest gRPC message sent or received, bytes."),
+    )
     # Pings find a dead peer during a long unary Rollout that sends nothing; the
     # engine server allows pings every 10 s, also without calls.
     keepalive_time_s: float = 30.0
@@ -66,8 +73,13 @@ class ClientOptions:
     max_reconnect_backoff_s: float = 0.5
     # Deadline of the health probe Dynamo's canary triggers.
     health_timeout_s: float = 1.0
-    control_timeout_s: float = 10.0
-    abort_timeout_s: float = 5.0
+    control_timeout_s: float = field(
+        default=10.0,
+        metadata=flag("Deadline of control RPCs, seconds.", old=("--control-timeout",)),
+    )
+    abort_timeout_s: float = field(
+        default=5.0, metadata=flag("Deadline of Abort RPCs, seconds.", old=("--abort-timeout",))
+    )
     # TLS to the engine server (None: plaintext, for loopback and unix sockets).
     tls: TlsOptions | None = None
     # Pace streamed completions (servers of contract revision 6 on): the engine

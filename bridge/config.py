@@ -28,6 +28,7 @@ from dynamo.llm import ModelInput
 from bridge.admin_auth import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from bridge.client import MIB, ClientOptions
 from bridge.tls import TlsOptions
+from engine_contract.flags import add_deprecated, add_fields, deprecated_env, flag, from_args
 
 DEFAULT_COMPONENT = "backend"
 DEFAULT_ENDPOINT = "generate"
@@ -36,6 +37,13 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 # Where Dynamo 1.6.1's frontend finds a chat template besides tokenizer_config.json.
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 ROLLOUT_TRANSPORTS = ("auto", "stream", "unary")
+# The bridge's own flags' environment variables: this and the flag's name.
+ENV_PREFIX = "BRIDGE_"
+
+
+def _mib(text: str) -> int:
+    """The old --max-message-mib / BRIDGE_MAX_MESSAGE_MIB, in bytes."""
+    return int(text) * MIB
 
 
 def chat_template_source(model_path: Path) -> str | None:
@@ -87,25 +95,52 @@ def resolve_endpoint_types(
 
 @dataclass(frozen=True)
 class BridgeConfig:
+    # Fields with flag(...) metadata are flags (build_parser), each with its
+    # environment variable (BRIDGE_ and the flag: BRIDGE_CONNECT_TIMEOUT_S).
     engine_address: str
     model_path: str
     served_model_name: str | None = None
     # How long start() waits for the engine server (a vLLM start can take minutes).
-    connect_timeout_s: float = 600.0
+    connect_timeout_s: float = field(
+        default=600.0,
+        metadata=flag(
+            "Seconds to wait at start for the engine server to be ready.",
+            old=("--connect-timeout",),
+        ),
+    )
     client: ClientOptions = field(default_factory=ClientOptions)
     log_level: str = "INFO"
     kv_events: bool = True
-    # How rollouts travel: "stream" multiplexes them over one Rollouts stream
-    # (contract revision 2), "unary" makes one Rollout call each, "auto" streams
-    # when the engine server serves Rollouts.
-    rollout_transport: str = "auto"
-    # The same for ordinary (streamed) completions: "stream" multiplexes them over
-    # one Generates stream (contract revision 4), "unary" makes one Generate call each.
-    generate_transport: str = "auto"
-    # How long the engine server may hold KV-event batches back to send several
-    # in one message (fewer messages, each costing both sides more CPU than its
-    # events); the router sees events at most this much later.
-    kv_max_delay_ms: int = 2
+    rollout_transport: str = field(
+        default="auto",
+        metadata=flag(
+            "How rollouts reach the engine server: 'stream' multiplexes them over "
+            "one Rollouts stream (far less CPU per rollout on both sides), 'unary' makes "
+            "one Rollout call each, 'auto' streams when the server serves Rollouts "
+            "(contract revision 2 and later).",
+            choices=ROLLOUT_TRANSPORTS,
+        ),
+    )
+    generate_transport: str = field(
+        default="auto",
+        metadata=flag(
+            "How ordinary completions reach the engine server: 'stream' multiplexes "
+            "them over one Generates stream, their deltas packed together, 'unary' makes "
+            "one Generate call each, 'auto' streams when the server serves Generates "
+            "(contract revision 4 and later).",
+            choices=ROLLOUT_TRANSPORTS,
+        ),
+    )
+    # Fewer messages, each costing both sides more CPU than its events; the router
+    # sees events at most this much later.
+    kv_max_delay_ms: int = field(
+        default=2,
+        metadata=flag(
+            "How long the engine server may hold KV-event batches back to send "
+            "several in one message, milliseconds (0-100; 0: each at once, batches "
+            "already waiting still share a message)."
+        ),
+    )
     # Dynamo endpoint types registered ("completions", "chat,completions"), and why.
     endpoint_types: str = "chat,completions"
     endpoint_types_reason: str = ""
@@ -114,13 +149,41 @@ class BridgeConfig:
     # How often the engine server's health is asked (with a deadline), and how
     # long it may stay unresponsive before the requests waiting on it fail.
     watch_interval_s: float = 0.25
-    stall_timeout_s: float | None = 10.0
-    # Deadline of one rollout (None: none; RL generations can run long).
-    rollout_timeout_s: float | None = None
-    # Exit (orderly: the worker leaves discovery) once the engine server has been
-    # unreachable this long (None: never). Set by a host that supervises the
-    # bridge, where a vanished engine server means a vanished host.
-    exit_after_engine_gone_s: float | None = None
+    stall_timeout_s: float | None = field(
+        default=10.0,
+        metadata=flag(
+            "Seconds the engine server may stay unresponsive (health asked every "
+            "0.25 s with a 1 s deadline) before the requests waiting on it fail with a "
+            "retryable error; 0 disables. New requests fail fast, and the worker leaves "
+            "the router's pool, as soon as it stops answering.",
+            name="--engine-stall-timeout-s",
+            off=True,
+            old=("--engine-stall-timeout",),
+        ),
+    )
+    rollout_timeout_s: float | None = field(
+        default=None,
+        metadata=flag(
+            "Deadline of one rollout, seconds (0: none, the default: RL generations "
+            "can run long). Past it the engine request is aborted and the rollout fails "
+            "with a retryable error.",
+            off=True,
+            old=("--rollout-timeout",),
+        ),
+    )
+    # Set by a host that supervises the bridge, where a vanished engine server
+    # means a vanished host.
+    exit_after_engine_gone_s: float | None = field(
+        default=None,
+        metadata=flag(
+            "Exit, leaving discovery, once the engine server has been unreachable "
+            "for this many seconds (0: never, the default; a standalone bridge waits for "
+            "its engine server to come back). engine_server.host sets it for the bridges "
+            "it supervises.",
+            off=True,
+            old=("--exit-after-engine-gone",),
+        ),
+    )
     # Serve Dynamo's RL admin routes on the system port (DYN_SYSTEM_PORT), and
     # with enable_rl also describe them on the request plane ("<ns>.<component>.rl").
     rl_routes: bool = True
@@ -201,60 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Name to serve the model under (default: the engine server's model name).",
     )
-    add_argument(
-        g,
-        flag_name="--connect-timeout",
-        env_var="BRIDGE_CONNECT_TIMEOUT_S",
-        default=600.0,
-        arg_type=float,
-        help="Seconds to wait at start for the engine server to be ready.",
+    add_fields(g, BridgeConfig, env_prefix=ENV_PREFIX)
+    add_fields(g, ClientOptions, env_prefix=ENV_PREFIX)
+    # The size in MiB before the unit rule (engine_contract.flags): bytes now.
+    add_deprecated(
+        g, "--max-message-mib", "--max-message-bytes", dest="max_message_bytes", type=_mib
     )
-    add_argument(
-        g,
-        flag_name="--control-timeout",
-        env_var="BRIDGE_CONTROL_TIMEOUT_S",
-        default=10.0,
-        arg_type=float,
-        help="Deadline of control RPCs, seconds.",
-    )
-    add_argument(
-        g,
-        flag_name="--abort-timeout",
-        env_var="BRIDGE_ABORT_TIMEOUT_S",
-        default=5.0,
-        arg_type=float,
-        help="Deadline of Abort RPCs, seconds.",
-    )
-    add_argument(
-        g,
-        flag_name="--max-message-mib",
-        env_var="BRIDGE_MAX_MESSAGE_MIB",
-        default=64,
-        arg_type=int,
-        help="Largest gRPC message sent or received, MiB.",
-    )
-    add_argument(
-        g,
-        flag_name="--rollout-transport",
-        env_var="BRIDGE_ROLLOUT_TRANSPORT",
-        default="auto",
-        choices=list(ROLLOUT_TRANSPORTS),
-        help="How rollouts reach the engine server: 'stream' multiplexes them over "
-        "one Rollouts stream (far less CPU per rollout on both sides), 'unary' makes "
-        "one Rollout call each, 'auto' streams when the server serves Rollouts "
-        "(contract revision 2 and later).",
-    )
-    add_argument(
-        g,
-        flag_name="--generate-transport",
-        env_var="BRIDGE_GENERATE_TRANSPORT",
-        default="auto",
-        choices=list(ROLLOUT_TRANSPORTS),
-        help="How ordinary completions reach the engine server: 'stream' multiplexes "
-        "them over one Generates stream, their deltas packed together, 'unary' makes "
-        "one Generate call each, 'auto' streams when the server serves Generates "
-        "(contract revision 4 and later).",
-    )
+    old_env = deprecated_env(os.environ, "BRIDGE_MAX_MESSAGE_MIB", "BRIDGE_MAX_MESSAGE_BYTES", _mib)
+    if old_env is not None:
+        parser.set_defaults(max_message_bytes=old_env)
     add_argument(
         g,
         flag_name="--generate-pacing",
@@ -267,48 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
         "token in every process on the way); 'off' sends every delta as it comes. "
         "Needs an engine server of contract revision 6 or later (older ones stream "
         "unpaced).",
-    )
-    add_argument(
-        g,
-        flag_name="--kv-max-delay-ms",
-        env_var="BRIDGE_KV_MAX_DELAY_MS",
-        default=2,
-        arg_type=int,
-        help="How long the engine server may hold KV-event batches back to send "
-        "several in one message, milliseconds (0-100; 0: each at once, batches "
-        "already waiting still share a message).",
-    )
-    add_argument(
-        g,
-        flag_name="--engine-stall-timeout",
-        env_var="BRIDGE_ENGINE_STALL_TIMEOUT_S",
-        default=10.0,
-        arg_type=float,
-        help="Seconds the engine server may stay unresponsive (health asked every "
-        "0.25 s with a 1 s deadline) before the requests waiting on it fail with a "
-        "retryable error; 0 disables. New requests fail fast, and the worker leaves "
-        "the router's pool, as soon as it stops answering.",
-    )
-    add_argument(
-        g,
-        flag_name="--rollout-timeout",
-        env_var="BRIDGE_ROLLOUT_TIMEOUT_S",
-        default=0.0,
-        arg_type=float,
-        help="Deadline of one rollout, seconds (0: none, the default: RL generations "
-        "can run long). Past it the engine request is aborted and the rollout fails "
-        "with a retryable error.",
-    )
-    add_argument(
-        g,
-        flag_name="--exit-after-engine-gone",
-        env_var="BRIDGE_EXIT_AFTER_ENGINE_GONE_S",
-        default=0.0,
-        arg_type=float,
-        help="Exit, leaving discovery, once the engine server has been unreachable "
-        "for this many seconds (0: never, the default; a standalone bridge waits for "
-        "its engine server to come back). engine_server.host sets it for the bridges "
-        "it supervises.",
     )
     add_argument(
         g,
@@ -350,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(bind it to loopback with DYN_SYSTEM_HOST=127.0.0.1). Never give the token "
         "itself as a flag: every user sees flags in ps.",
     )
-    for flag, env, what in (
+    for name, env, what in (
         (
             "--engine-tls-ca",
             "BRIDGE_ENGINE_TLS_CA",
@@ -371,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
             "server's certificate must carry when it is not the host in --engine",
         ),
     ):
-        add_argument(g, flag_name=flag, env_var=env, default=None, help=what)
+        add_argument(g, flag_name=name, env_var=env, default=None, help=what)
     g.add_argument(
         "--component",
         default=DEFAULT_COMPONENT,
@@ -434,25 +410,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         engine_address=args.engine,
         model_path=os.fspath(model_path),
         served_model_name=args.served_model_name,
-        connect_timeout_s=args.connect_timeout,
+        **from_args(args, BridgeConfig),
         client=ClientOptions(
-            max_message_bytes=args.max_message_mib * MIB,
-            control_timeout_s=args.control_timeout,
-            abort_timeout_s=args.abort_timeout,
+            **from_args(args, ClientOptions),
             tls=tls,
             paced_generates=args.generate_pacing == "on",
         ),
         log_level=args.log_level.upper(),
         kv_events=not args.disable_kv_events,
-        rollout_transport=args.rollout_transport,
-        generate_transport=args.generate_transport,
-        kv_max_delay_ms=args.kv_max_delay_ms,
         endpoint_types=endpoint_types,
         endpoint_types_reason=why,
         discovery_backend=str(runtime.discovery_backend),
-        stall_timeout_s=args.engine_stall_timeout or None,
-        rollout_timeout_s=args.rollout_timeout or None,
-        exit_after_engine_gone_s=args.exit_after_engine_gone or None,
         rl_routes=args.rl_routes,
         enable_rl=args.enable_rl,
         namespace=runtime.namespace,

@@ -238,7 +238,7 @@ class EngineLink:
 
     def _engine_gone(self) -> None:
         log.error(
-            "engine server at %s unreachable for %.0fs: exiting (--exit-after-engine-gone)",
+            "engine server at %s unreachable for %.0fs: exiting (--exit-after-engine-gone-s)",
             self.config.engine_address,
             self.config.exit_after_engine_gone_s or 0,
         )

@@ -123,5 +123,5 @@ def engine_not_serving(address: str) -> DynamoException:
 
 
 def rollout_timed_out(timeout_s: float | None) -> DynamoException:
-    """--rollout-timeout passed: the engine request was cancelled (retryable)."""
-    return ConnectionTimeout(f"rollout did not finish within {timeout_s:g}s (--rollout-timeout)")
+    """--rollout-timeout-s passed: the engine request was cancelled (retryable)."""
+    return ConnectionTimeout(f"rollout did not finish within {timeout_s:g}s (--rollout-timeout-s)")

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from engine_contract.flags import add_fields, from_args
 from engine_server.backends import BACKENDS, load_backend_class
 from engine_server.backends.base import EngineBackend
 from engine_server.config import (
@@ -30,18 +31,25 @@ from engine_server.server import EngineServerHandle, start_server
 
 log = logging.getLogger("engine_server")
 
-# Limits fields settable from the command line, by flag.
-_LIMIT_FLAGS = {
-    "--max-requests-in-flight": "requests the server holds at once",
-    "--max-rollouts-per-stream": "rollouts running on one Rollouts stream",
-    "--max-starts-per-message": "rollout starts taken from one Rollouts message",
-    "--max-waiting-requests": "refuse new requests while the engine has this many waiting (0: off)",
-    "--max-kv-subscribers": "open SubscribeKvEvents streams",
-}
-
-
-def _dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
+# Flags from the config dataclasses' fields (engine_contract.flags), by group;
+# every one of their fields with flag metadata is one (listen and allow_remote
+# are in the "listening" group).
+_SERVER_FLAGS = (
+    "grace_period_s",
+    "stream_write_timeout_s",
+    "delta_hold_ms",
+    "delta_hold_from",
+    "start_paused",
+    "kv_replay_batches",
+)
+_MESSAGE_LIMITS = ("max_message_bytes", "max_stop_strings")
+_ADMISSION_LIMITS = (
+    "max_requests_in_flight",
+    "max_rollouts_per_stream",
+    "max_starts_per_message",
+    "max_waiting_requests",
+    "max_kv_subscribers",
+)
 
 
 DESCRIPTION = (
@@ -89,14 +97,7 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
     )
 
     net = parser.add_argument_group("listening")
-    net.add_argument(
-        "--listen",
-        default="127.0.0.1:50051",
-        help="HOST:PORT (port 0 picks one) or unix:PATH (default: %(default)s)",
-    )
-    net.add_argument(
-        "--allow-remote", action="store_true", help="allow listening on a non-loopback address"
-    )
+    add_fields(net, ServerConfig, only=("listen", "allow_remote"))
     net.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
     net.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     net.add_argument(
@@ -115,93 +116,18 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
     net.add_argument(
         "--ready-file", type=Path, help="write the bound address here once the engine is ready"
     )
-
-    limits = Limits()
     srv = parser.add_argument_group("requests and shutdown")
-    srv.add_argument(
-        "--grace-period-s",
-        type=float,
-        default=ServerConfig.grace_period_s,
-        help="on SIGTERM, how long requests in flight may finish (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--stream-write-timeout-s",
-        type=float,
-        default=ServerConfig.stream_write_timeout_s,
-        help="abort a stream whose client has not read for this long; 0 disables "
-        "(default: %(default)s)",
-    )
-    srv.add_argument(
-        "--delta-hold-ms",
-        type=float,
-        default=ServerConfig.delta_hold_ms,
-        help="on a Generates stream running --delta-hold-from completions or more, wait "
-        "this long after each write so tokens merge into fewer deltas; 0 disables "
-        "(default: %(default)s)",
-    )
-    srv.add_argument(
-        "--delta-hold-from",
-        type=int,
-        default=ServerConfig.delta_hold_from,
-        help="completions running on one Generates stream from which --delta-hold-ms "
-        "applies (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--start-paused",
-        action="store_true",
-        help="start with generation paused: requests wait until a trainer's weight "
-        "update and ResumeGeneration (an engine restarted mid-training then never "
-        "serves weights older than the trainer's)",
-    )
+    add_fields(srv, ServerConfig, only=_SERVER_FLAGS)
+    add_fields(srv, Limits, only=_MESSAGE_LIMITS)
     refit = parser.add_argument_group(
         "weight updates (no refit call holds the refit lock, and so a pause, for good)"
     )
-    refit.add_argument(
-        "--refit-check-timeout-s",
-        type=float,
-        default=RefitConfig.check_timeout_s,
-        help="the longest reading a checkpoint folder's headers may take before anything "
-        "loads (a hung mount); past it the update is refused and the old weights still "
-        "serve (default: %(default)s)",
-    )
-    refit.add_argument(
-        "--refit-timeout-s",
-        type=float,
-        default=RefitConfig.timeout_s,
-        help="the longest one refit call's engine work may take: a load from a path, a "
-        "streamed update from manifest to commit, each weight-transfer phase; past it "
-        "while still receiving, the update is refused, while the engine loads, its "
-        "weights are unknown and the server stops serving (default: %(default)s)",
-    )
-    refit.add_argument(
-        "--weights-allowed-dir",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a folder weight updates may load from (repeatable); a path is resolved "
-        "(symlinks, ..) and must lie inside one; PERMISSION_DENIED otherwise "
-        "(default: any folder)",
-    )
-    srv.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes)
-    srv.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    add_fields(refit, RefitConfig, prefix="refit-")
     adm = parser.add_argument_group(
         "admission limits (announced in GetServerInfo; over one, a request fails "
         "alone with RESOURCE_EXHAUSTED naming it, retryable)"
     )
-    for flag, help_text in _LIMIT_FLAGS.items():
-        adm.add_argument(
-            flag,
-            type=int,
-            default=getattr(limits, _dest(flag)),
-            help=f"{help_text} (default: %(default)s)",
-        )
-    srv.add_argument(
-        "--kv-replay-batches",
-        type=int,
-        default=ServerConfig.kv_replay_batches,
-        help="KV-event batches kept for resuming subscribers",
-    )
+    add_fields(adm, Limits, only=_ADMISSION_LIMITS)
 
     defaults = GenerationDefaults()
     gen = parser.add_argument_group(
@@ -292,27 +218,12 @@ def _server_config(
     args: argparse.Namespace, generation: GenerationConfig | None, tls: TlsConfig | None
 ) -> ServerConfig:
     return ServerConfig(
-        listen=args.listen,
-        allow_remote=args.allow_remote,
+        **from_args(args, ServerConfig),
         tls=tls,
         defaults=generation_defaults(args, generation),
-        limits=Limits(
-            max_message_bytes=args.max_message_bytes,
-            max_stop_strings=args.max_stop_strings,
-            **{_dest(flag): getattr(args, _dest(flag)) for flag in _LIMIT_FLAGS},
-        ),
-        grace_period_s=args.grace_period_s,
-        stream_write_timeout_s=args.stream_write_timeout_s or None,
-        delta_hold_ms=args.delta_hold_ms,
-        delta_hold_from=args.delta_hold_from,
-        start_paused=args.start_paused,
+        limits=Limits(**from_args(args, Limits)),
         metrics_port=args.metrics_port,
-        kv_replay_batches=args.kv_replay_batches,
-        refit=RefitConfig(
-            check_timeout_s=args.refit_check_timeout_s,
-            timeout_s=args.refit_timeout_s,
-            allowed_dirs=tuple(args.weights_allowed_dir),
-        ),
+        refit=RefitConfig(**from_args(args, RefitConfig, prefix="refit-")),
     )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine_contract.flags import flag
 from engine_server.addresses import parse_listen_address
 
 
@@ -46,20 +47,34 @@ class GenerationDefaults:
 class Limits:
     """Bounds on requests; over them a request gets INVALID_ARGUMENT or RESOURCE_EXHAUSTED."""
 
-    max_stop_strings: int = 32
+    # Fields with flag(...) metadata are command-line flags (engine_server.cli):
+    # the first two in its "requests and shutdown" group, the rest (admission) in
+    # its "admission limits" group.
+    max_stop_strings: int = field(default=32, metadata=flag("stop strings one request may carry"))
     max_stop_string_length: int = 1024
     max_request_id_length: int = 256
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata=flag("largest gRPC message received or sent, bytes"),
+    )
     max_top_logprobs: int = 20
     # Admission: over these a request fails alone with RESOURCE_EXHAUSTED naming
     # the limit (retryable), and the server's memory stays bounded whatever a
     # client sends. Sized for RL batches of many thousand concurrent rollouts.
-    max_requests_in_flight: int = 16_384
-    max_rollouts_per_stream: int = 16_384
-    max_starts_per_message: int = 4_096
-    # Refuse new requests while the engine has this many waiting (0: never).
-    max_waiting_requests: int = 0
-    max_kv_subscribers: int = 64
+    max_requests_in_flight: int = field(
+        default=16_384, metadata=flag("requests the server holds at once")
+    )
+    max_rollouts_per_stream: int = field(
+        default=16_384, metadata=flag("rollouts running on one Rollouts stream")
+    )
+    max_starts_per_message: int = field(
+        default=4_096, metadata=flag("rollout starts taken from one Rollouts message")
+    )
+    max_waiting_requests: int = field(
+        default=0,
+        metadata=flag("refuse new requests while the engine has this many waiting (0: off)"),
+    )
+    max_kv_subscribers: int = field(default=64, metadata=flag("open SubscribeKvEvents streams"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -82,15 +97,34 @@ class RefitConfig:
     """Bounds on the refit cycle: no refit call holds the refit lock (and so the
     pause, every rollout waiting at the gate) for good."""
 
-    # Reading a checkpoint folder's headers before anything loads (a hung mount):
-    # past it the update is refused, the old weights still serve.
-    check_timeout_s: float = 60.0
-    # Any one refit call's engine work: a path load, a streamed update from its
-    # manifest to its commit, each weight-transfer phase.
-    timeout_s: float = 1800.0
-    # Folders a weight update may load from (a path resolved, symlinks and ``..``
-    # followed, must lie inside one); empty: any.
-    allowed_dirs: tuple[Path, ...] = ()
+    # Flags --refit-check-timeout-s, --refit-timeout-s, --weights-allowed-dir.
+    check_timeout_s: float = field(
+        default=60.0,
+        metadata=flag(
+            "the longest reading a checkpoint folder's headers may take before anything "
+            "loads (a hung mount); past it the update is refused and the old weights still "
+            "serve"
+        ),
+    )
+    timeout_s: float = field(
+        default=1800.0,
+        metadata=flag(
+            "the longest one refit call's engine work may take: a load from a path, a "
+            "streamed update from manifest to commit, each weight-transfer phase; past it "
+            "while still receiving, the update is refused, while the engine loads, its "
+            "weights are unknown and the server stops serving"
+        ),
+    )
+    allowed_dirs: tuple[Path, ...] = field(
+        default=(),
+        metadata=flag(
+            "a folder weight updates may load from (repeatable); a path is resolved "
+            "(symlinks, ..) and must lie inside one; PERMISSION_DENIED otherwise "
+            "(empty: any folder)",
+            name="--weights-allowed-dir",
+            metavar="DIR",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for value, what in (
@@ -103,17 +137,26 @@ class RefitConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    # host:port ("127.0.0.1:0" picks a free port) or unix:PATH.
-    listen: str = "127.0.0.1:50051"
+    # Fields with flag(...) metadata are command-line flags (engine_server.cli).
+    listen: str = field(
+        default="127.0.0.1:50051",
+        metadata=flag("HOST:PORT (port 0 picks one) or unix:PATH"),
+    )
     # Listening on a non-loopback address must be asked for explicitly.
-    allow_remote: bool = False
+    allow_remote: bool = field(
+        default=False, metadata=flag("allow listening on a non-loopback address")
+    )
     tls: TlsConfig | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     limits: Limits = field(default_factory=Limits)
-    # On stop: how long requests in flight may run on before they are aborted.
-    grace_period_s: float = 10.0
-    # KV-event batches kept for subscribers resuming by sequence number.
-    kv_replay_batches: int = 10_000
+    grace_period_s: float = field(
+        default=10.0,
+        metadata=flag("on SIGTERM, how long requests in flight may finish, seconds"),
+    )
+    kv_replay_batches: int = field(
+        default=10_000,
+        metadata=flag("KV-event batches kept for subscribers resuming by sequence number"),
+    )
     # Blocks per message when a KV snapshot is sent: small enough that encoding
     # one part never holds the event loop long (each part yields to it).
     kv_snapshot_chunk_blocks: int = 256
@@ -125,17 +168,39 @@ class ServerConfig:
     # not read before the call is ended (ABORTED) and its engine request aborted;
     # also the longest a streamed weight update may go without its next message.
     # None: no bound.
-    stream_write_timeout_s: float | None = 30.0
+    stream_write_timeout_s: float | None = field(
+        default=30.0,
+        metadata=flag(
+            "abort a stream whose client has not read for this long, seconds; 0 disables",
+            off=True,
+        ),
+    )
     # Generates streams under load: once this many completions run on one stream,
     # its writer waits delta_hold_ms after each write, so that a completion's tokens
     # merge into fewer, larger deltas (fewer messages here, fewer chunks for every
     # process downstream: bridge, Dynamo's frontend, the client). Below that, or
     # at 0 ms, every write goes out at once. Rollouts streams never wait.
-    delta_hold_ms: float = 2.0
-    delta_hold_from: int = 8
-    # Generation paused from the start (PauseGeneration WAIT): requests wait for
-    # a trainer's update and ResumeGeneration.
-    start_paused: bool = False
+    delta_hold_ms: float = field(
+        default=2.0,
+        metadata=flag(
+            "on a Generates stream running --delta-hold-from completions or more, wait "
+            "this long after each write so tokens merge into fewer deltas; 0 disables"
+        ),
+    )
+    delta_hold_from: int = field(
+        default=8,
+        metadata=flag(
+            "completions running on one Generates stream from which --delta-hold-ms applies"
+        ),
+    )
+    start_paused: bool = field(
+        default=False,
+        metadata=flag(
+            "start with generation paused: requests wait until a trainer's weight "
+            "update and ResumeGeneration (an engine restarted mid-training then never "
+            "serves weights older than the trainer's)"
+        ),
+    )
     # Prometheus metrics at http://HOST:PORT/metrics (0: any free port; None: off),
     # HOST being the gRPC listener's (loopback for a unix socket), so that metrics
     # are reachable from elsewhere only where the contract is (allow_remote).

@@ -362,7 +362,7 @@ async def start_dynamo_endpoint(
         os.fspath(model_path),
         "--namespace",
         namespace,
-        "--exit-after-engine-gone",
+        "--exit-after-engine-gone-s",
         f"{exit_after_engine_gone_s:g}",
     ]
     if name:
