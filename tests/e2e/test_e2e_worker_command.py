@@ -1,0 +1,284 @@
+"""``python -m engine_worker``: the command line NeMo RL builds for ``python -m
+dynamo.vllm``, run as an engine server and a bridge, two supervised children.
+
+With file discovery instead of etcd (and ZMQ events instead of NATS), a Dynamo
+frontend in front: the worker registers, serves rollouts, gets each child back
+alone after a SIGKILL, refuses an argument no side knows, and drains on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bridge import driver
+from harness import ROOT
+from harness.engine import tiny_vllm_args
+from harness.env import importable
+from harness.http import wait_for_model
+from harness.ports import free_port
+from harness.procs import Proc, ProcessGroup
+from harness.stack import Stack
+from harness.tiny_model import tiny_model_dir
+from harness.waits import wait_until
+
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+
+
+def nemo_rl_argv(model_dir: Path, model: str, namespace: str, transfer: str) -> list[str]:
+    """NeMo RL's managed worker command line (arguments.build_dynamo_vllm_argv), with
+    file discovery and ZMQ events for a single machine."""
+    return [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        model,
+        "--namespace",
+        namespace,
+        "--discovery-backend",
+        "file",
+        "--request-plane",
+        "tcp",
+        "--event-plane",
+        "zmq",
+        "--enable-rl",
+        *(["--weight-transfer-config", transfer, "--trust-remote-code"] if transfer else []),
+        "--seed",
+        "7",
+        "--no-exclude-tools-when-tool-choice-none",
+        "--no-dyn-enable-structural-tag",
+        "--endpoint-types",
+        "completions",
+    ]
+
+
+def worker_env(stack: Stack) -> dict[str, str]:
+    """What NeMo RL's worker pool sets, over the stack's Dynamo environment."""
+    return {
+        **stack.env,
+        "DYN_SYSTEM_PORT": str(free_port()),
+        "DYN_RL_INIT_WEIGHTS_TIMEOUT_S": "60",
+        "DYN_ENABLE_EXPERIMENTAL_PARSERS_V2": "1",
+    }
+
+
+def start_worker(stack: Stack, name: str, *args: str) -> Proc:
+    argv = [sys.executable, "-m", "engine_worker", *args]
+    return stack.group.spawn(name, argv, worker_env(stack))
+
+
+def children(pid: int) -> dict[str, int]:
+    """The launcher's live children by kind ("engine-server", "bridge")."""
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) != pid or fields[0] == "Z":
+            continue
+        if b"engine_server" in cmdline:
+            found["engine-server"] = int(entry.name)
+        elif b"bridge" in cmdline:
+            found["bridge"] = int(entry.name)
+    return found
+
+
+def wait_children(worker: Proc, timeout: float = 60.0, **unlike: int) -> dict[str, int]:
+    """Until both children run, each named in ``unlike`` with another pid."""
+    return wait_until(
+        lambda: (
+            (kids := children(worker.pid)).keys() == {"engine-server", "bridge"}
+            and all(kids[k.replace("_", "-")] != pid for k, pid in unlike.items())
+            and kids
+        ),
+        timeout,
+        f"the children of {worker.name}",
+        [worker],
+    )
+
+
+async def rollouts(base_url: str, model: str, count: int = 3, timeout: float = 60.0) -> None:
+    """``count`` rollouts through the frontend, retried until they all succeed."""
+    retry = driver.RetryPolicy(attempts=8, initial_s=0.25, max_s=2.0)
+    async with driver.RolloutClient(base_url, model, timeout_s=timeout, retry=retry) as client:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(client.rollout([5 + i, 17, 42, 99], max_tokens=8) for i in range(count))
+            ),
+            timeout,
+        )
+    for result in results:
+        assert 0 < len(result.token_ids) <= 8
+        assert len(result.logprobs) == len(result.token_ids)
+
+
+def serving(stack: Stack, worker: Proc, model: str, timeout: float) -> None:
+    wait_until(lambda: stack.registered_workers() >= 1, timeout, "the worker registered", [worker])
+    wait_for_model(stack.base_url, model, [worker, *stack.procs], timeout)
+
+
+def assert_gone(pids: dict[str, int]) -> None:
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.fixture
+def base_model() -> Path:
+    """The template-less tiny model (a base checkpoint, as RL starts from)."""
+    return tiny_model_dir("base")
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[ProcessGroup]:
+    with ProcessGroup(tmp_path / "logs") as g:
+        yield g
+
+
+def test_the_launcher_imports_neither_side() -> None:
+    code = (
+        "import sys, engine_worker.cli, engine_worker.__main__, engine_worker.split;"
+        "print(sorted(m for m in ('vllm', 'torch', 'dynamo', 'bridge', 'engine_server', "
+        "'grpc') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_an_argument_no_side_knows_is_refused_naming_it(base_model: Path) -> None:
+    argv = [
+        *nemo_rl_argv(base_model, "m", "ns", ""),
+        "--disaggregation-mode",
+        "prefill",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "engine_worker", "--backend", "sim", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "unrecognized argument --disaggregation-mode" in out.stderr
+    # The dry run shows where each argument goes.
+    out = subprocess.run(
+        [sys.executable, "-m", "engine_worker", "--backend", "sim", "--dry-run", *argv[:-2]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    engine, bridge = plan["engine_server"], plan["bridge"]
+    assert engine[engine.index("--seed") + 1] == "7" and "--namespace" not in engine
+    assert bridge[bridge.index("--model-path") + 1] == str(base_model.resolve())
+    assert "--enable-rl" in bridge and "--seed" not in bridge and "--model" not in bridge
+    assert engine[engine.index("--served-model-name") + 1] == "m"
+    assert bridge[bridge.index("--served-model-name") + 1] == "m"
+
+
+async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
+    tmp_path: Path, group: ProcessGroup, base_model: Path
+) -> None:
+    model = "tiny-worker"
+    stack = Stack.new(tmp_path, group, base_model, model, "nsworker")
+    stack.start_frontend()
+    argv = nemo_rl_argv(base_model, model, stack.namespace, "")
+    worker = start_worker(
+        stack,
+        "worker",
+        "--backend",
+        "sim",
+        *argv,
+        "--decode-step-ms",
+        "1",
+        "--stop-timeout-s",
+        "20",
+    )
+    await asyncio.to_thread(serving, stack, worker, model, 90)
+    await rollouts(stack.base_url, model)
+    first = children(worker.pid)
+    assert first.keys() == {"engine-server", "bridge"}
+
+    # The bridge dies: it alone comes back, and rollouts resume.
+    os.kill(first["bridge"], signal.SIGKILL)
+    second = await asyncio.to_thread(wait_children, worker, 30, bridge=first["bridge"])
+    assert second["engine-server"] == first["engine-server"]
+    await rollouts(stack.base_url, model)
+
+    # The engine server dies: it alone comes back; the bridge reconnects.
+    os.kill(first["engine-server"], signal.SIGKILL)
+    third = await asyncio.to_thread(wait_children, worker, 30, engine_server=first["engine-server"])
+    assert third["bridge"] == second["bridge"]
+    await rollouts(stack.base_url, model)
+    assert children(worker.pid) == third
+    log = worker.log_tail(200_000)  # the output passes through, each line prefixed
+    assert f"[bridge {second['bridge']}] " in log
+    assert f"[engine-server {third['engine-server']}] " in log
+
+    # SIGTERM drains both and exits 0.
+    worker.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(worker.wait_exit, 40) == 0
+    assert_gone(third)
+    await asyncio.to_thread(
+        wait_until, lambda: stack.registered_workers() == 0, 15, "the worker unregistered"
+    )
+
+
+def test_the_children_end_with_a_killed_launcher(
+    tmp_path: Path, group: ProcessGroup, base_model: Path
+) -> None:
+    stack = Stack.new(tmp_path, group, base_model, "tiny-orphan", "nsorphan")
+    argv = nemo_rl_argv(base_model, "tiny-orphan", stack.namespace, "")
+    worker = start_worker(stack, "worker", "--backend", "sim", *argv)
+    kids = wait_children(worker)
+    wait_until(lambda: stack.registered_workers() >= 1, 60, "the worker registered", [worker])
+    worker.kill()
+    # The kernel's parent-death signal (SIGTERM): each child drains and exits.
+    wait_until(lambda: all(_state(pid) in ("gone", "Z") for pid in kids.values()), 30, "orphans")
+    # A killed launcher leaves its private folder (the socket) behind.
+    match = re.search(r"unix:(\S+)/engine\.sock", worker.log_tail(100_000))
+    assert match is not None
+    shutil.rmtree(match.group(1), ignore_errors=True)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not importable("vllm"), reason="vLLM not installed")
+async def test_vllm_worker_from_the_nemo_rl_command_line(
+    tmp_path: Path, group: ProcessGroup, base_model: Path
+) -> None:
+    model = "tiny-worker-vllm"
+    stack = Stack.new(tmp_path, group, base_model, model, "nsworkervllm")
+    stack.start_frontend()
+    argv = nemo_rl_argv(base_model, model, stack.namespace, '{"backend": "gloo"}')
+    worker = start_worker(stack, "worker", *argv, *tiny_vllm_args(512))
+    await asyncio.to_thread(serving, stack, worker, model, 300)
+    await rollouts(stack.base_url, model, timeout=120)
+    kids = children(worker.pid)
+    worker.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(worker.wait_exit, 60) == 0
+    assert_gone(kids)
