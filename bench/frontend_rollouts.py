@@ -14,7 +14,18 @@ import aiohttp
 from bench.context import CONCURRENCY, GEN_TOKENS, PROMPT_TOKENS, Bench, say
 from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
-from bench.report import Goal, added_p50_at_c1, fmt, goal_table, paired, table
+from bench.report import (
+    CPU_HEADER,
+    P50_MS,
+    P99_MS,
+    RPS,
+    Goal,
+    added_p50_at_c1,
+    cpu_cells,
+    goals_and_failures,
+    one_process_vs_split_table,
+    table,
+)
 from bench.stats import Cell, Summary, closed_loop
 from bridge import driver
 from harness.procs import Proc
@@ -61,51 +72,19 @@ class FrontendRollouts:
             "run back to back, so slow drifts in the machine's other load cancel).",
             "",
         ]
-        rows = []
-        for c in CONCURRENCY:
-            a = s[ONE_PROCESS][c]
-            for transport, label in TRANSPORTS.items():
-                b = s[transport][c]
-                rows.append(
-                    [
-                        c,
-                        fmt(a.rps),
-                        fmt(a.p50_ms, 2),
-                        fmt(a.p99_ms, 2),
-                        label,
-                        fmt(b.rps),
-                        fmt(b.p50_ms, 2),
-                        fmt(b.p99_ms, 2),
-                        f"**{b.rps / a.rps:.2f}**",
-                        paired(a, b),
-                        f"**{b.p50_ms - a.p50_ms:+.2f}**",
-                        f"{b.p99_ms / a.p99_ms:.2f}",
-                    ]
-                )
-        lines += table(
+        lines += one_process_vs_split_table(
+            s,
+            ONE_PROCESS,
+            TRANSPORTS,
+            CONCURRENCY,
+            [RPS, P50_MS, P99_MS],
             [
-                "conc",
-                "(a) rps",
-                "(a) p50 ms",
-                "(a) p99 ms",
-                "(b) transport",
-                "(b) rps",
-                "(b) p50 ms",
-                "(b) p99 ms",
-                "rps (b)/(a)",
-                "paired",
-                "p50 +ms",
-                "p99 (b)/(a)",
+                ("p50 +ms", lambda a, b: f"**{b.p50_ms - a.p50_ms:+.2f}**"),
+                ("p99 (b)/(a)", lambda a, b: f"{b.p99_ms / a.p99_ms:.2f}"),
             ],
-            "rrrrlrrrrlrr",
-            rows,
         )
-        errors = sum(r.errors for per in s.values() for r in per.values())
-        lines += ["", "Goals (issue 15):", "", *goal_table(self.goals())]
+        lines += goals_and_failures(self.goals(), s)
         lines += [
-            "",
-            f"Failed requests (not counted above): {errors}.",
-            "",
             "CPU milliseconds per rollout, by process (where the cost goes):",
             "",
         ]
@@ -115,31 +94,8 @@ class FrontendRollouts:
                 cpu = s[name][c].cpu_ms
                 if not cpu:
                     continue
-                worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
-                rows.append(
-                    [
-                        c,
-                        TRANSPORTS.get(name, name),
-                        f"{cpu.get('frontend', 0):.2f}",
-                        f"{worker:.2f}",
-                        f"{cpu.get('engine', 0) + cpu.get('engine-children', 0):.2f}",
-                        f"{cpu.get('client', 0):.2f}",
-                        f"{sum(cpu.values()):.2f}",
-                    ]
-                )
-        lines += table(
-            [
-                "conc",
-                "config",
-                "frontend",
-                "worker / bridge",
-                "engine server",
-                "load generator",
-                "total",
-            ],
-            "rlrrrrr",
-            rows,
-        )
+                rows.append([c, TRANSPORTS.get(name, name), *cpu_cells(cpu)])
+        lines += table(["conc", "config", *CPU_HEADER], "rlrrrrr", rows)
         return "\n".join([*lines, ""])
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -96,3 +96,89 @@ def paired(a: Summary, b: Summary) -> str:
     if not ratios:
         return ""
     return f"{median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+Figure = tuple[str, Callable[[Summary], str]]
+Difference = tuple[str, Callable[[Summary, Summary], str]]
+
+# The figures the parts' tables show of each configuration.
+RPS: Figure = ("rps", lambda x: fmt(x.rps))
+P50_MS: Figure = ("p50 ms", lambda x: fmt(x.p50_ms, 2))
+P99_MS: Figure = ("p99 ms", lambda x: fmt(x.p99_ms, 2))
+TTFT_P50_MS: Figure = ("TTFT p50 ms", lambda x: fmt(x.ttft_p50_ms, 2))
+
+
+def one_process_vs_split_table(
+    summaries: Mapping[str, Mapping[int, Summary]],
+    one_process: str,
+    transports: Mapping[str, str],
+    concurrency: Sequence[int],
+    figures: Sequence[Figure],
+    differences: Sequence[Difference],
+) -> list[str]:
+    """A part's (a)-vs-(b) table: per concurrency and transport, the concurrency,
+    (a)'s ``figures`` (name, value), the transport's label, (b)'s ``figures``, the
+    rps ratio (b)/(a) and its per-repetition pairs, then the ``differences``
+    (name, value of a and b)."""
+    header = [
+        "conc",
+        *(f"(a) {name}" for name, _ in figures),
+        "(b) transport",
+        *(f"(b) {name}" for name, _ in figures),
+        "rps (b)/(a)",
+        "paired",
+        *(name for name, _ in differences),
+    ]
+    align = "r" * (1 + len(figures)) + "l" + "r" * (len(figures) + 1) + "l"
+    align += "r" * len(differences)
+    rows: list[list[object]] = []
+    for c in concurrency:
+        a = summaries[one_process][c]
+        for transport, label in transports.items():
+            b = summaries[transport][c]
+            rows.append(
+                [
+                    c,
+                    *(value(a) for _, value in figures),
+                    label,
+                    *(value(b) for _, value in figures),
+                    f"**{b.rps / a.rps:.2f}**",
+                    paired(a, b),
+                    *(value(a, b) for _, value in differences),
+                ]
+            )
+    return table(header, align, rows)
+
+
+def goals_and_failures(
+    goals: Sequence[Goal], summaries: Mapping[str, Mapping[int, Summary]]
+) -> list[str]:
+    """The goals' table, then how many requests failed in all (not in the figures)."""
+    errors = sum(r.errors for per in summaries.values() for r in per.values())
+    return [
+        "",
+        "Goals (issue 15):",
+        "",
+        *goal_table(goals),
+        "",
+        f"Failed requests (not counted above): {errors}.",
+        "",
+    ]
+
+
+# The columns of ``cpu_cells``.
+CPU_HEADER = ("frontend", "worker / bridge", "engine server", "load generator", "total")
+
+
+def cpu_cells(cpu: Mapping[str, float]) -> list[str]:
+    """CPU milliseconds per request by process (``CPU_HEADER``): the frontend, the
+    worker or bridge, the engine server (its child processes included), the load
+    generator, and all of them."""
+    worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
+    return [
+        f"{cpu.get('frontend', 0):.2f}",
+        f"{worker:.2f}",
+        f"{cpu.get('engine', 0) + cpu.get('engine-children', 0):.2f}",
+        f"{cpu.get('client', 0):.2f}",
+        f"{sum(cpu.values()):.2f}",
+    ]

@@ -20,7 +20,19 @@ import aiohttp
 from bench.context import GEN_TOKENS, PROMPT_TOKENS, Bench, say
 from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
-from bench.report import Goal, added_p50_at_c1, fmt, goal_table, paired, table
+from bench.report import (
+    CPU_HEADER,
+    P50_MS,
+    RPS,
+    TTFT_P50_MS,
+    Goal,
+    added_p50_at_c1,
+    cpu_cells,
+    fmt,
+    goals_and_failures,
+    one_process_vs_split_table,
+    table,
+)
 from bench.stats import Cell, Summary, closed_loop
 from harness.procs import Proc
 
@@ -100,51 +112,19 @@ class Streaming:
             "milliseconds the hop adds to it.",
             "",
         ]
-        rows = []
-        for c in CONCURRENCY:
-            a = s[ONE_PROCESS][c]
-            for transport, label in TRANSPORTS.items():
-                b = s[transport][c]
-                rows.append(
-                    [
-                        c,
-                        fmt(a.rps),
-                        fmt(a.ttft_p50_ms, 2),
-                        fmt(a.p50_ms, 2),
-                        label,
-                        fmt(b.rps),
-                        fmt(b.ttft_p50_ms, 2),
-                        fmt(b.p50_ms, 2),
-                        f"**{b.rps / a.rps:.2f}**",
-                        paired(a, b),
-                        f"**{b.ttft_p50_ms / a.ttft_p50_ms:.2f}**",
-                        f"{b.p50_ms - a.p50_ms:+.2f}",
-                    ]
-                )
-        lines += table(
+        lines += one_process_vs_split_table(
+            s,
+            ONE_PROCESS,
+            TRANSPORTS,
+            CONCURRENCY,
+            [RPS, TTFT_P50_MS, P50_MS],
             [
-                "conc",
-                "(a) rps",
-                "(a) TTFT p50 ms",
-                "(a) p50 ms",
-                "(b) transport",
-                "(b) rps",
-                "(b) TTFT p50 ms",
-                "(b) p50 ms",
-                "rps (b)/(a)",
-                "paired",
-                "TTFT (b)/(a)",
-                "p50 +ms",
+                ("TTFT (b)/(a)", lambda a, b: f"**{b.ttft_p50_ms / a.ttft_p50_ms:.2f}**"),
+                ("p50 +ms", lambda a, b: f"{b.p50_ms - a.p50_ms:+.2f}"),
             ],
-            "rrrrlrrrrlrr",
-            rows,
         )
-        errors = sum(r.errors for per in s.values() for r in per.values())
-        lines += ["", "Goals (issue 15):", "", *goal_table(self.goals())]
+        lines += goals_and_failures(self.goals(), s)
         lines += [
-            "",
-            f"Failed requests (not counted above): {errors}.",
-            "",
             "CPU milliseconds per streamed request, by process, and the SSE events that "
             "carried each request's tokens (every process pays per event: the worker or "
             "bridge hands Dynamo a chunk, the frontend frames it, the load generator parses "
@@ -155,33 +135,15 @@ class Streaming:
         for c in CONCURRENCY:
             for name in CONFIGS:
                 cpu = s[name][c].cpu_ms
-                worker = sum(v for k, v in cpu.items() if k.startswith(("worker", "bridge")))
                 rows.append(
                     [
                         c,
                         TRANSPORTS.get(name, "one process"),
-                        f"{cpu.get('frontend', 0):.2f}",
-                        f"{worker:.2f}",
-                        f"{cpu.get('engine', 0):.2f}",
-                        f"{cpu.get('client', 0):.2f}",
-                        f"{sum(cpu.values()):.2f}",
+                        *cpu_cells(cpu),
                         fmt(s[name][c].events_per_request, 1),
                     ]
                 )
-        lines += table(
-            [
-                "conc",
-                "config",
-                "frontend",
-                "worker / bridge",
-                "engine server",
-                "load",
-                "total",
-                "events / request",
-            ],
-            "rlrrrrrr",
-            rows,
-        )
+        lines += table(["conc", "config", *CPU_HEADER, "events / request"], "rlrrrrrr", rows)
         return "\n".join([*lines, ""])
 
 

@@ -20,6 +20,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from engine_contract.dtypes import TENSOR_DTYPE_BYTES
+
 WIRE_KEY = "rollout"
 # 2 added "weight_versions"; this driver reads both, but a driver of wire 1
 # refuses wire 2 (it checked the version exactly): upgrade drivers with bridges.
@@ -31,12 +33,8 @@ LOGPROB_FLOOR = -9999.0
 
 # Element sizes of the routed-experts dtypes the contract allows (numpy names).
 DTYPE_ITEMSIZE: dict[str, int] = {
-    "uint8": 1,
-    "int8": 1,
-    "uint16": 2,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
+    name: TENSOR_DTYPE_BYTES[name]
+    for name in ("uint8", "int8", "uint16", "int16", "int32", "int64")
 }
 
 R3_KEYS = ("actual_routes", "expected_routes", "missing_routes", "surplus_routes")

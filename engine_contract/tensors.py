@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from engine_contract.dtypes import TENSOR_DTYPE_BYTES as TENSOR_DTYPE_BYTES
 from engine_contract.v1 import engine_pb2 as pb
 
 # Our dtype names (NumPy's and torch's spelling) -> the contract's TensorDtype.
@@ -30,22 +31,6 @@ TENSOR_DTYPES = {
     "float8_e5m2": pb.TENSOR_DTYPE_FLOAT8_E5M2,
 }
 TENSOR_DTYPE_NAMES = {number: name for name, number in TENSOR_DTYPES.items()}
-# Bytes per element, by the same names.
-TENSOR_DTYPE_BYTES = {
-    "uint8": 1,
-    "int8": 1,
-    "uint16": 2,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
 
 # Well under every server's message limit (the default is 64 MiB), and where
 # protobuf serializes fast (about 3 GB/s at 1 MiB on two cores; a few hundred

@@ -25,13 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
-from engine_server.config import Limits
-from engine_server.tagged_stream import Queued, TaggedStream
+from engine_server.tagged_stream import Queued, StreamLimits, TaggedStream
 
 RunGenerate = Callable[[pb.GenerateRequest], AsyncGenerator[pb.GenerateResponse, None]]
 """One completion's messages (``ServerCore.generate``); closing it aborts the request."""
@@ -52,20 +51,11 @@ class GenerateStream(TaggedStream[pb.GenerateRequest, pb.GenerateDelta]):
         generate: RunGenerate,
         context: grpc.aio.ServicerContext,
         *,
-        max_message_bytes: int,
-        write_timeout_s: float | None,
-        max_running: int = Limits.max_rollouts_per_stream,
-        max_starts: int = Limits.max_starts_per_message,
         hold_s: float = 0.0,
         hold_from: int = 1,
+        **limits: Unpack[StreamLimits],
     ) -> None:
-        super().__init__(
-            context,
-            max_message_bytes=max_message_bytes,
-            write_timeout_s=write_timeout_s,
-            max_running=max_running,
-            max_starts=max_starts,
-        )
+        super().__init__(context, **limits)
         self._generate = generate
         self._hold_s = hold_s
         self._hold_from = hold_from

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Unpack
 
 import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
-from engine_server.config import Limits
-from engine_server.tagged_stream import MAX_ITEMS_PER_MESSAGE, TaggedStream
+from engine_server.tagged_stream import MAX_ITEMS_PER_MESSAGE, StreamLimits, TaggedStream
 
 __all__ = ["MAX_RESULTS_PER_MESSAGE", "RolloutStream", "RunRollout"]
 
@@ -34,19 +34,9 @@ class RolloutStream(TaggedStream[pb.RolloutRequest, pb.RolloutResult]):
         self,
         rollout: RunRollout,
         context: grpc.aio.ServicerContext,
-        *,
-        max_message_bytes: int,
-        write_timeout_s: float | None,
-        max_running: int = Limits.max_rollouts_per_stream,
-        max_starts: int = Limits.max_starts_per_message,
+        **limits: Unpack[StreamLimits],
     ) -> None:
-        super().__init__(
-            context,
-            max_message_bytes=max_message_bytes,
-            write_timeout_s=write_timeout_s,
-            max_running=max_running,
-            max_starts=max_starts,
-        )
+        super().__init__(context, **limits)
         self._rollout = rollout
 
     async def _answer(self, tag: int, request: pb.RolloutRequest) -> pb.RolloutResult:

@@ -23,7 +23,7 @@ import collections
 import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Required, TypedDict, TypeVar
 
 import grpc
 
@@ -68,6 +68,16 @@ class Queued(Generic[ItemT]):
         self.tag = tag
         self.item = item
         self.size = size
+
+
+class StreamLimits(TypedDict, total=False):
+    """What bounds one stream: ``TaggedStream``'s keyword arguments, which its
+    subclasses take as they are."""
+
+    max_message_bytes: Required[int]
+    write_timeout_s: Required[float | None]
+    max_running: int
+    max_starts: int
 
 
 class TaggedStream(Generic[RequestT, ItemT]):

@@ -8,7 +8,9 @@ reference a refit to it must reproduce exactly.
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -53,3 +55,23 @@ def checkpoint_tensors(model_dir: Path) -> list[Tensor]:
         for file in checkpoint_files(model_dir)
         for spec, data in read_safetensors(file)
     ]
+
+
+def unreadable_entry(folder: Path, kind: str) -> Path:
+    """``folder/x.safetensors`` made a checkpoint entry no reader may open as a file:
+    a "directory", a "dangling symlink", a "FIFO" (opening it would block) or a
+    "socket"."""
+    entry = folder / "x.safetensors"
+    if kind == "directory":
+        entry.mkdir()
+    elif kind == "dangling symlink":
+        entry.symlink_to(folder / "gone")
+    elif kind == "FIFO":
+        os.mkfifo(entry)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(entry))
+        sock.close()
+    else:
+        raise ValueError(f"unknown kind of entry: {kind}")
+    return entry

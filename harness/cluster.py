@@ -19,9 +19,9 @@ import shutil
 import socket
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
@@ -41,33 +41,64 @@ def _b64(data: bytes) -> str:
 
 
 @dataclass
-class Etcd:
-    """One etcd member; ``restart()`` keeps its ports and data (a real outage, not a new
-    cluster: the leases granted before it survive on disk)."""
+class _Server:
+    """A server process of the cluster's, its data under ``data_dir``, restartable
+    on the same ports and data: subclasses say how it is started (``argv``) and when
+    it is up (``healthy``)."""
 
     group: ProcessGroup
     data_dir: Path
-    client_port: int
-    peer_port: int
-    name: str = "etcd"
+    name: str = ""
     proc: Proc | None = None
+    # How the wait for ``healthy`` is described.
+    up_as: ClassVar[str] = "healthy"
 
     @classmethod
-    def start(cls, group: ProcessGroup, data_dir: Path, name: str = "etcd") -> Etcd:
-        etcd = cls(group, data_dir, free_port(), free_port(), name)
-        etcd.run()
-        return etcd
+    def start(cls, group: ProcessGroup, data_dir: Path) -> Self:
+        """On free ports, running."""
+        server = cls(group, data_dir)
+        server.run()
+        return server
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def run(self, timeout: float = 30.0) -> None:
+        self.proc = self.group.spawn(self.name, self.argv())
+        wait_until(self.healthy, timeout, f"{self.name} {self.up_as}", [self.proc])
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.group.stop(self.proc)
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.run()
+
+
+@dataclass
+class Etcd(_Server):
+    """One etcd member; ``restart()`` keeps its ports and data (a real outage, not a new
+    cluster: the leases granted before it survive on disk)."""
+
+    name: str = "etcd"
+    client_port: int = field(default_factory=free_port)
+    peer_port: int = field(default_factory=free_port)
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.client_port}"
 
-    def run(self, timeout: float = 30.0) -> None:
+    def argv(self) -> list[str]:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd not found (make cluster-deps installs Debian's etcd-server)")
         peer = f"http://127.0.0.1:{self.peer_port}"
-        argv = [
+        return [
             binary,
             "--name",
             self.name,
@@ -86,17 +117,6 @@ class Etcd:
             "--logger",
             "zap",
         ]
-        self.proc = self.group.spawn(self.name, argv)
-        wait_until(self.healthy, timeout, f"{self.name} healthy", [self.proc])
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.group.stop(self.proc)
-            self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.run()
 
     def healthy(self) -> bool:
         try:
@@ -138,41 +158,23 @@ class Etcd:
 
 
 @dataclass
-class Nats:
+class Nats(_Server):
     """One NATS server with JetStream, its store under ``data_dir``."""
 
-    group: ProcessGroup
-    data_dir: Path
-    port: int
     name: str = "nats"
-    proc: Proc | None = None
-
-    @classmethod
-    def start(cls, group: ProcessGroup, data_dir: Path, name: str = "nats") -> Nats:
-        nats = cls(group, data_dir, free_port(), name)
-        nats.run()
-        return nats
+    port: int = field(default_factory=free_port)
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def run(self, timeout: float = 30.0) -> None:
+    up_as = "accepting"
+
+    def argv(self) -> list[str]:
         binary = nats_binary()
         if binary is None:
             raise RuntimeError("nats-server not found (make cluster-deps installs it)")
-        argv = [binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir)]
-        self.proc = self.group.spawn(self.name, argv)
-        wait_until(self.healthy, timeout, f"{self.name} accepting", [self.proc])
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.group.stop(self.proc)
-            self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.run()
+        return [binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir)]
 
     def healthy(self) -> bool:
         """The server's INFO greeting arrives on a fresh connection."""

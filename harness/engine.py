@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,6 +35,12 @@ def long_sim_args(decode_step_ms: float) -> tuple[str, ...]:
     """Sim flags for requests that run long without ignore_eos (which would also switch
     off the frontend's stop strings): EOS is never the likeliest token."""
     return ("--eos-rate", "0", "--decode-step-ms", f"{decode_step_ms:g}")
+
+
+def kv_sim_args(block: int) -> tuple[str, ...]:
+    """Sim flags for KV-routing tests: ``block``-token KV blocks, EOS never the
+    likeliest token, 1 ms decode steps."""
+    return ("--block-size", str(block), "--eos-rate", "0", "--decode-step-ms", "1")
 
 
 def tiny_vllm_args(max_model_len: int = 1024) -> list[str]:
@@ -104,6 +110,21 @@ class InProcessServer:
         self._thread.join(10)
 
 
+class ClientMessages(Generic[T]):
+    """The client side of a bidirectional stream, for a handler run without gRPC:
+    put messages on ``queue``, then None to half-close; iterating yields them."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[T | None] = asyncio.Queue()
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[T]:
+        while (message := await self.queue.get()) is not None:
+            yield message
+
+
 # -- load --------------------------------------------------------------------
 
 
@@ -156,6 +177,67 @@ async def wait_load_async(
         if time.monotonic() - started > timeout:
             raise WaitTimeout(f"{what}: not within {timeout}s; last load: {last}", last)
         await asyncio.sleep(interval)
+
+
+# -- rollouts --------------------------------------------------------------------
+
+
+def greedy_rollout(
+    stub: pb_grpc.EngineServiceStub,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    request_id: str = "",
+    timeout: float = 60,
+) -> pb.RolloutResponse:
+    """One greedy Rollout of ``prompt`` straight from an engine server (under a fresh
+    request id unless ``request_id`` is given)."""
+    answer: pb.RolloutResponse = stub.Rollout(
+        pb.RolloutRequest(
+            request_id=request_id or f"greedy-{time.monotonic_ns()}",
+            prompt_token_ids=prompt,
+            greedy=True,
+            max_new_tokens=max_new_tokens,
+        ),
+        timeout=timeout,
+    )
+    return answer
+
+
+def tokens_and_logprobs(answer: pb.RolloutResponse) -> tuple[list[int], list[float]]:
+    """A rollout's tokens and logprobs, as plain lists to compare bit for bit."""
+    return list(answer.token_ids), list(answer.logprobs)
+
+
+def version_spans(answer: pb.RolloutResponse) -> list[tuple[str, int, int]]:
+    """A rollout's weight-version spans as (version, start, end)."""
+    return [(s.version, s.start, s.end) for s in answer.weight_versions]
+
+
+# -- clients that stop reading ------------------------------------------------------
+
+# A sim server with room for one very long completion, made with no delay.
+FLOOD_SIM_ARGS = ("--zero-delay", "--context-length", "32768", "--num-kv-blocks", "2100")
+
+
+def flood_generate(request_id: str, max_tokens: int) -> pb.GenerateRequest:
+    """A Generate of deltas of one token with 20 top logprobs (~400 bytes each), EOS
+    ignored: for thousands of tokens, far more than the socket and HTTP/2 windows
+    hold, so the server's writes block once the client stops reading."""
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=list(range(10, 42)),
+        stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=True),
+        output=pb.OutputOptions(logprobs=20),
+    )
+
+
+def own_channel(address: str, *options: tuple[str, int]) -> grpc.aio.Channel:
+    """A channel on its own connection (local subchannel pool): a stalled stream
+    must not share flow-control windows with the control calls."""
+    return grpc.aio.insecure_channel(
+        address, options=[("grpc.use_local_subchannel_pool", 1), *options]
+    )
 
 
 # -- health and the KV cache -----------------------------------------------------

@@ -12,7 +12,8 @@ on loopback, with file discovery under one folder.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from harness.env import blocking_env, dynamo_env
 from harness.http import wait_for_model
 from harness.procs import Proc, ProcessGroup, Role
 from harness.waits import wait_until
+
+# A frontend routing by KV overlap alone (no randomness in its choice).
+KV_ROUTER_ARGS = ("--router-mode", "kv", "--router-temperature", "0")
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,16 @@ class Stack:
         self.bridges.append(bridge)
         return bridge
 
+    def start_workers(self, count: int, *args: str) -> list[str]:
+        """``count`` engine servers (``engine-I``, with ``ARGS --seed I``), each behind
+        its own bridge (``bridge-I``); returns their addresses."""
+        addresses = []
+        for i in range(count):
+            _, address = self.start_engine(f"engine-{i}", *args, "--seed", str(i))
+            self.start_bridge(f"bridge-{i}", address)
+            addresses.append(address)
+        return addresses
+
     def start_frontend(self, *args: str, port: int | None = None) -> Proc:
         """A Dynamo frontend (``frontend-N``, the Nth started); its URL is ``base_url``."""
         started = len(self.group.with_role(Role.FRONTEND))
@@ -205,3 +219,18 @@ def registered_workers(kv_dir: Path, namespace: str) -> int:
         for p in instances.rglob("*")
         if p.is_file() and p.name.startswith(prefix) and "%2Fgenerate%2F" in p.name
     )
+
+
+@contextmanager
+def kv_routed_stack(
+    root: Path, model_dir: Path, model: str, workers: int, *engine_args: str, namespace: str = ""
+) -> Iterator[Stack]:
+    """A serving stack under ``root``: ``workers`` sim engine servers (``engine_args``,
+    seeds 0, 1, ...), each behind its own bridge, and a frontend routing by KV
+    overlap (``KV_ROUTER_ARGS``)."""
+    with ProcessGroup(root / "logs") as group:
+        stack = Stack.new(root, group, model_dir, model, namespace or None)
+        stack.start_workers(workers, *engine_args)
+        stack.start_frontend(*KV_ROUTER_ARGS)
+        stack.wait_serving(workers=workers, timeout=60)
+        yield stack

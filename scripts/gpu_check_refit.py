@@ -36,21 +36,12 @@ from pathlib import Path
 
 
 def greedy(stub, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:  # type: ignore[no-untyped-def]
-    from engine_contract.v1 import engine_pb2 as pb
+    from harness.engine import greedy_rollout, tokens_and_logprobs, version_spans
 
     out = []
-    for i, prompt in enumerate(prompts):
-        answer = stub.Rollout(
-            pb.RolloutRequest(
-                request_id=f"gpu-{time.monotonic_ns()}-{i}",
-                prompt_token_ids=prompt,
-                greedy=True,
-                max_new_tokens=24,
-            ),
-            timeout=120,
-        )
-        spans = [(s.version, s.start, s.end) for s in answer.weight_versions]
-        out.append((list(answer.token_ids), list(answer.logprobs), spans))
+    for prompt in prompts:
+        answer = greedy_rollout(stub, prompt, 24, timeout=120)
+        out.append((*tokens_and_logprobs(answer), version_spans(answer)))
     return out
 
 

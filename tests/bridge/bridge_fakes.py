@@ -98,14 +98,19 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
         except ServerError as e:
             await context.abort(e.code, str(e))
 
-    async def _answer(self, request: pb.RolloutRequest) -> pb.RolloutResponse:
-        self.rollouts.append(request)
-        self.traces[request.request_id] = tracing.trace_headers()
+    def _start(self, request_id: str) -> None:
+        """A request arrives: its trace headers are kept, then it fails as
+        ``fail_with`` says or runs (until the caller discards it from ``running``)."""
+        self.traces[request_id] = tracing.trace_headers()
         if self.fail_with is not None:
             failure = ServerError(self.fail_with[1])
             failure.code = self.fail_with[0]
             raise failure
-        self.running.add(request.request_id)
+        self.running.add(request_id)
+
+    async def _answer(self, request: pb.RolloutRequest) -> pb.RolloutResponse:
+        self.rollouts.append(request)
+        self._start(request.request_id)
         try:
             if self.hold_rollout:
                 event = self._released.setdefault(request.request_id, asyncio.Event())
@@ -151,12 +156,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
 
     async def _deltas(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         self.generates.append(request)
-        self.traces[request.request_id] = tracing.trace_headers()
-        if self.fail_with is not None:
-            failure = ServerError(self.fail_with[1])
-            failure.code = self.fail_with[0]
-            raise failure
-        self.running.add(request.request_id)
+        self._start(request.request_id)
         try:
             for i in range(self.generate_tokens):
                 await asyncio.sleep(self.generate_delay_s)

@@ -13,17 +13,12 @@ import pytest
 from aiohttp import web
 
 from bridge import codec, driver, wire
+from engine_contract.tensors import TENSOR_DTYPES
 from engine_contract.v1 import engine_pb2 as pb
 from tests.bridge.bridge_fakes import fake_frontend, frontend_body
 
-PB_DTYPES = {
-    "uint8": pb.TENSOR_DTYPE_UINT8,
-    "int8": pb.TENSOR_DTYPE_INT8,
-    "uint16": pb.TENSOR_DTYPE_UINT16,
-    "int16": pb.TENSOR_DTYPE_INT16,
-    "int32": pb.TENSOR_DTYPE_INT32,
-    "int64": pb.TENSOR_DTYPE_INT64,
-}
+# The routed-experts dtypes the wire allows, as the contract numbers them.
+PB_DTYPES = {name: TENSOR_DTYPES[name] for name in wire.DTYPE_ITEMSIZE}
 
 
 def random_doubles(n: int, seed: int = 0) -> list[float]:

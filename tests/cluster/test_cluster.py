@@ -22,9 +22,10 @@ import pytest
 
 from harness import ARTIFACTS
 from harness.cluster import Etcd, Nats, etcd_binary, nats_binary
+from harness.engine import kv_sim_args
 from harness.http import http_json, routed_to, served_models
 from harness.procs import Proc, ProcessGroup
-from harness.stack import Stack
+from harness.stack import KV_ROUTER_ARGS, Stack
 from harness.waits import wait_until
 
 pytestmark = [
@@ -43,7 +44,6 @@ BLOCK = 16
 # Long enough to ride out an etcd restart (leases survive it on disk), short
 # enough for the SIGSTOP test to wait it out.
 LEASE_TTL_S = 10
-KV_ROUTER = ("--router-mode", "kv", "--router-temperature", "0")
 
 
 def record(name: str, **figures: Any) -> None:
@@ -75,22 +75,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         stack = Stack.new(
             root, group, model_dir, MODEL, NAMESPACE, etcd=etcd, nats=nats, lease_ttl_s=LEASE_TTL_S
         )
-        for i in range(2):
-            _, address = stack.start_engine(
-                f"engine-{i}",
-                "--block-size",
-                str(BLOCK),
-                "--eos-rate",
-                "0",
-                "--decode-step-ms",
-                "1",
-                "--seed",
-                str(i),
-            )
-            stack.start_bridge(f"bridge-{i}", address)
+        stack.start_workers(2, *kv_sim_args(BLOCK))
         urls, frontends = [], []
         for _ in range(2):
-            frontends.append(stack.start_frontend(*KV_ROUTER))
+            frontends.append(stack.start_frontend(*KV_ROUTER_ARGS))
             urls.append(stack.base_url)
         stack.wait_serving(workers=2, timeout=60)
         for url in urls:
@@ -225,7 +213,7 @@ class FrontendSupervisor:
                 if not proc.alive():
                     self.restarts.append(time.monotonic())
                     port = int(self.c.urls[i].rsplit(":", 1)[1])
-                    self.c.frontends[i] = self.c.stack.start_frontend(*KV_ROUTER, port=port)
+                    self.c.frontends[i] = self.c.stack.start_frontend(*KV_ROUTER_ARGS, port=port)
             time.sleep(0.2)
 
     def stop(self) -> None:

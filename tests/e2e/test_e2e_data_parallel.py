@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import kv_sim_args
 from harness.http import routed_to
-from harness.procs import ProcessGroup
-from harness.stack import Stack
+from harness.stack import Stack, kv_routed_stack
 
 pytestmark = pytest.mark.dynamo
 
@@ -28,24 +28,10 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def dp_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
+    # One engine server of two ranks, behind one bridge.
     root = tmp_path_factory.mktemp("dp-stack")
-    with ProcessGroup(root / "logs") as group:
-        stack = Stack.new(root, group, model_dir, MODEL)
-        _, address = stack.start_engine(
-            "engine",
-            "--dp-size",
-            "2",
-            "--block-size",
-            str(BLOCK),
-            "--eos-rate",
-            "0",
-            "--decode-step-ms",
-            "1",
-        )
-        stack.start_bridge("bridge", address)
-        stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
-        stack.wait_serving(timeout=60)
-        yield stack
+    with kv_routed_stack(root, model_dir, MODEL, 1, "--dp-size", "2", *kv_sim_args(BLOCK)) as s:
+        yield s
 
 
 def served_by(stack: Stack, prompt: list[int]) -> int:

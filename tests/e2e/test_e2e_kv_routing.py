@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.engine import kv_sim_args
 from harness.http import routed_to
-from harness.procs import ProcessGroup
-from harness.stack import Stack
+from harness.stack import Stack, kv_routed_stack
 
 pytestmark = pytest.mark.dynamo
 
@@ -24,24 +24,8 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def kv_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("kv-stack")
-    with ProcessGroup(root / "logs") as group:
-        stack = Stack.new(root, group, model_dir, MODEL, NAMESPACE)
-        for i in range(2):
-            _, address = stack.start_engine(
-                f"engine-{i}",
-                "--block-size",
-                str(BLOCK),
-                "--eos-rate",
-                "0",
-                "--decode-step-ms",
-                "1",
-                "--seed",
-                str(i),
-            )
-            stack.start_bridge(f"bridge-{i}", address)
-        stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
-        stack.wait_serving(workers=2, timeout=60)
-        yield stack
+    with kv_routed_stack(root, model_dir, MODEL, 2, *kv_sim_args(BLOCK), namespace=NAMESPACE) as s:
+        yield s
 
 
 def worker_of(stack: Stack, prompt: list[int]) -> int:

@@ -17,7 +17,7 @@ import pytest
 from harness.engine import idle, snapshot_blocks, wait_load
 from harness.http import post_rollout
 from harness.procs import ProcessGroup
-from harness.stack import Stack
+from harness.stack import KV_ROUTER_ARGS, Stack
 from harness.waits import wait_until, wait_until_probe_async
 from tests.faults.faults_common import (
     KV_PROMPT,
@@ -39,7 +39,7 @@ async def test_bridge_killed_with_requests_in_flight(tmp_path: Path, model_dir: 
         stack = Stack.new(tmp_path, group, model_dir, MODEL)
         engine, address = stack.start_engine("engine", *LONG_SIM_ARGS)
         bridge = stack.start_bridge("bridge-1", address)
-        frontend = stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
+        frontend = stack.start_frontend(*KV_ROUTER_ARGS)
         stack.wait_serving()
         base = stack.base_url
 

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
+from harness.engine import greedy_rollout, tokens_and_logprobs
 from harness.procs import ProcessGroup
 
 CASES = int(os.environ.get("FUZZ_CASES", "50"))
@@ -292,16 +293,7 @@ def cases(count: int) -> Iterator[tuple[int, str]]:
 
 
 def greedy(stub: pb_grpc.EngineServiceStub) -> tuple[list[int], list[float]]:
-    answer = stub.Rollout(
-        pb.RolloutRequest(
-            request_id=f"fuzz-{time.monotonic_ns()}",
-            prompt_token_ids=[5, 17, 42, 8, 99, 3],
-            greedy=True,
-            max_new_tokens=12,
-        ),
-        timeout=30,
-    )
-    return list(answer.token_ids), list(answer.logprobs)
+    return tokens_and_logprobs(greedy_rollout(stub, [5, 17, 42, 8, 99, 3], 12, timeout=30))
 
 
 def test_corrupt_checkpoints_are_refused_and_the_old_weights_keep_serving(

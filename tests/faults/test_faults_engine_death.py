@@ -22,7 +22,7 @@ from harness.env import health_env
 from harness.http import Outcome, http_json, post_rollout, post_stream, stream_body
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
-from harness.stack import Stack
+from harness.stack import KV_ROUTER_ARGS, Stack
 from harness.waits import wait_until, wait_until_probe_async
 from tests.faults.faults_common import (
     LONG_SIM_ARGS,
@@ -55,7 +55,7 @@ async def test_engine_server_killed_with_requests_in_flight(
         stack = Stack.new(tmp_path, group, model_dir, MODEL)
         engine, address = stack.start_engine("engine-1", *LONG_SIM_ARGS, listen=listen)
         bridge = stack.start_bridge("bridge", address, **health_env(system_port))
-        stack.start_frontend("--router-mode", "kv", "--router-temperature", "0")
+        stack.start_frontend(*KV_ROUTER_ARGS)
         stack.wait_serving()
         base = stack.base_url
         wait_until(lambda: health(system_port) == 200, 30, "bridge /health ready", [bridge])

@@ -14,14 +14,18 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.cli import build_parser, config_from_args
-from harness.engine import sim_cli_args, wait_load_async
+from harness.engine import (
+    FLOOD_SIM_ARGS,
+    flood_generate,
+    own_channel,
+    sim_cli_args,
+    wait_load_async,
+)
 from harness.procs import Proc, ProcessGroup
 from tests.faults.faults_common import record
 
 WATCHDOG_S = 1.0
-# Deltas of one token with 20 top logprobs (~400 bytes each) for up to 30k
-# tokens: far more than the socket and HTTP/2 windows hold, so the server's
-# writes block once the client stops reading.
+# Up to 30k tokens of flood_generate's large deltas.
 MAX_TOKENS = 30_000
 
 
@@ -34,37 +38,15 @@ def watched_engine(group: ProcessGroup, *args: str) -> tuple[Proc, str]:
     return group.engine_server("engine", "--stream-write-timeout-s", str(WATCHDOG_S), *args)
 
 
-def own_channel(address: str, *options: tuple[str, int]) -> grpc.aio.Channel:
-    """A channel on its own connection (local subchannel pool): a stalled stream
-    must not share flow-control windows with the control calls."""
-    return grpc.aio.insecure_channel(
-        address, options=[("grpc.use_local_subchannel_pool", 1), *options]
-    )
-
-
 async def test_stalled_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        engine, address = watched_engine(
-            group,
-            "--zero-delay",
-            "--context-length",
-            "32768",
-            "--num-kv-blocks",
-            "2100",
-        )
+        engine, address = watched_engine(group, *FLOOD_SIM_ARGS)
         stalled = own_channel(address)
         control = own_channel(address)
         try:
             stub = pb_grpc.EngineServiceStub(stalled)
             ctl = pb_grpc.EngineServiceStub(control)
-            call = stub.Generate(
-                pb.GenerateRequest(
-                    request_id="stalled-1",
-                    prompt_token_ids=list(range(10, 42)),
-                    stop=pb.StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True),
-                    output=pb.OutputOptions(logprobs=20),
-                )
-            )
+            call = stub.Generate(flood_generate("stalled-1", MAX_TOKENS))
             # Read a little, then stop reading (the call stays open).
             for _ in range(5):
                 message = await call.read()

@@ -87,21 +87,22 @@ async def test_without_a_client_certificate_the_refit_is_refused(engine: MtlsEng
             await plain.refit("never", path=str(tiny_weights_dir(1)), mode="wait")
 
 
-def test_contract_weight_sync_client_reaches_an_mtls_engine(engine: MtlsEngine) -> None:
-    """The sim engine has no weight-transfer engine: its refusal (not a handshake
-    failure) shows the call got through."""
-    client = ContractWeightSyncClient(engine.address, tls=engine.tls, timeout_s=10)
+def shutdown_refused_with(engine: MtlsEngine, tls: TlsOptions, timeout_s: float) -> grpc.StatusCode:
+    """The status ShutdownWeightTransferEngine fails with from a
+    ContractWeightSyncClient with ``tls`` (closed twice after: idempotent)."""
+    client = ContractWeightSyncClient(engine.address, tls=tls, timeout_s=timeout_s)
     try:
         with pytest.raises(grpc.RpcError) as refused:
             client.shutdown_weight_transfer_engine()
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        return refused.value.code()
     finally:
         client.close()
-        client.close()  # idempotent
-    anonymous = ContractWeightSyncClient(engine.address, tls=engine.no_client_cert, timeout_s=5)
-    try:
-        with pytest.raises(grpc.RpcError) as failed:
-            anonymous.shutdown_weight_transfer_engine()
-        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        anonymous.close()
+        client.close()
+
+
+def test_contract_weight_sync_client_reaches_an_mtls_engine(engine: MtlsEngine) -> None:
+    """The sim engine has no weight-transfer engine: its refusal (not a handshake
+    failure) shows the call got through."""
+    assert shutdown_refused_with(engine, engine.tls, 10) == grpc.StatusCode.FAILED_PRECONDITION
+    # Without a client certificate the handshake fails.
+    assert shutdown_refused_with(engine, engine.no_client_cert, 5) == grpc.StatusCode.UNAVAILABLE

@@ -124,3 +124,14 @@ class GetLoadProbe:
             f"{self.result['calls']} GetLoad calls, worst {self.worst_ms:.1f} ms{at}, "
             f"slowest ten {latencies[-10:]}, errors {self.result['errors'][:3]}"
         )
+
+
+def server_cost(rss: PeakRss, probe: GetLoadProbe) -> dict[str, float]:
+    """What an abuse cost the server, for ``record``: its RSS before and at the peak
+    (MB), and the GetLoad calls the probe made and the slowest of them (ms)."""
+    return {
+        "rss_before_mb": round(rss.base / 1e6, 1),
+        "rss_peak_mb": round(rss.peak / 1e6, 1),
+        "getload_calls": probe.result["calls"],
+        "getload_worst_ms": round(probe.worst_ms, 1),
+    }

@@ -25,7 +25,7 @@ from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.engine import InProcessServer, idle, long_sim_args, sim_cli_args, wait_load
 from harness.procs import ProcessGroup
 from tests.faults.faults_common import record
-from tests.server.abuse_common import GetLoadProbe, PeakRss, server_with_limits
+from tests.server.abuse_common import GetLoadProbe, PeakRss, server_cost, server_with_limits
 
 FLOOD = 100_000
 ROLLOUTS = "/engine_contract.v1.EngineService/Rollouts"
@@ -115,10 +115,7 @@ def test_100k_starts_in_one_message_are_each_answered_once_past_the_limit_refuse
                 max_starts_per_message=most,
                 refused=len(refused),
                 all_answered_s=round(flood_s, 3),
-                rss_before_mb=round(rss.base / MB, 1),
-                rss_peak_mb=round(rss.peak / MB, 1),
-                getload_calls=probe.result["calls"],
-                getload_worst_ms=round(probe.worst_ms, 1),
+                **server_cost(rss, probe),
             )
             assert growth < 150, f"server RSS grew {growth:.0f} MB ({rss.base / MB:.0f} MB before)"
             assert not probe.result["errors"], probe.summary(since=started)

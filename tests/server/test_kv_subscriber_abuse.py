@@ -26,7 +26,7 @@ from harness.engine import snapshot_blocks
 from harness.procs import ProcessGroup
 from harness.waits import wait_until_probe_async
 from tests.faults.faults_common import record
-from tests.server.abuse_common import GetLoadProbe, PeakRss
+from tests.server.abuse_common import GetLoadProbe, PeakRss, server_cost
 
 pytestmark = pytest.mark.slow
 
@@ -179,10 +179,7 @@ async def test_non_reading_kv_subscribers_are_capped_and_cut_off(tmp_path: Path)
                 admitted=len(kept),
                 refused=len(refused),
                 all_cut_off_after_s=round(cut_off_s, 2),
-                rss_before_mb=round(rss.base / MB, 1),
-                rss_peak_mb=round(rss.peak / MB, 1),
-                getload_calls=probe.result["calls"],
-                getload_worst_ms=round(probe.worst_ms, 1),
+                **server_cost(rss, probe),
             )
             assert rss.growth_mb < 150, (
                 f"server RSS grew {rss.growth_mb:.0f} MB ({rss.base / MB:.0f} MB before) "

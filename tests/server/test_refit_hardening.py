@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
+from harness.engine import greedy_rollout, tokens_and_logprobs
 from harness.ports import free_port
 from harness.procs import ProcessGroup
 from harness.tiny_model import tiny_model_dir
@@ -72,13 +73,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def greedy(stub: pb_grpc.EngineServiceStub) -> tuple[list[int], list[float]]:
-    answer = stub.Rollout(
-        pb.RolloutRequest(
-            request_id="hardening", prompt_token_ids=[5, 6, 7, 8], greedy=True, max_new_tokens=8
-        ),
-        timeout=30,
-    )
-    return list(answer.token_ids), list(answer.logprobs)
+    return tokens_and_logprobs(greedy_rollout(stub, [5, 6, 7, 8], 8, timeout=30))
 
 
 def refused(call: object, *args: object) -> grpc.RpcError:

@@ -18,7 +18,14 @@ from prometheus_client import REGISTRY, generate_latest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.cli import parse_args
-from harness.engine import InProcessServer, sim_cli_args, wait_load_async
+from harness.engine import (
+    FLOOD_SIM_ARGS,
+    InProcessServer,
+    flood_generate,
+    own_channel,
+    sim_cli_args,
+    wait_load_async,
+)
 from harness.metrics import Samples, scrape
 from harness.ports import free_port
 from harness.procs import ProcessGroup
@@ -199,29 +206,9 @@ async def test_aborts_are_counted_by_their_cause(tmp_path: Path) -> None:
 async def test_watchdog_abort_is_counted(tmp_path: Path) -> None:
     """A client that stops reading a Generate stream (as in test_faults_stalled_client)."""
     with ProcessGroup(tmp_path / "logs") as group:
-        address, url = metrics_server(
-            group,
-            "--zero-delay",
-            "--stream-write-timeout-s",
-            "1",
-            "--context-length",
-            "32768",
-            "--num-kv-blocks",
-            "2100",
-        )
-        options = [("grpc.use_local_subchannel_pool", 1)]
-        async with (
-            grpc.aio.insecure_channel(address, options=options) as stalled,
-            grpc.aio.insecure_channel(address, options=options) as control,
-        ):
-            call = pb_grpc.EngineServiceStub(stalled).Generate(
-                pb.GenerateRequest(
-                    request_id="stalled",
-                    prompt_token_ids=list(range(10, 42)),
-                    stop=pb.StopConditions(max_tokens=30_000, ignore_eos=True),
-                    output=pb.OutputOptions(logprobs=20),
-                )
-            )
+        address, url = metrics_server(group, "--stream-write-timeout-s", "1", *FLOOD_SIM_ARGS)
+        async with own_channel(address) as stalled, own_channel(address) as control:
+            call = pb_grpc.EngineServiceStub(stalled).Generate(flood_generate("stalled", 30_000))
             await call.read()  # then read no more
             ctl = pb_grpc.EngineServiceStub(control)
             await wait_load_async(ctl, lambda load: load.registered_requests == 0, 20)

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import re
-import socket
 import struct
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from engine_server.backends.checkpoint import (
     read_safetensors,
 )
 from engine_server.backends.refit import TensorSpec, WeightUpdateError
+from harness.checkpoints import unreadable_entry
 
 MODEL = {
     s.name: s
@@ -130,21 +130,6 @@ def _entry(start: int, end: int, shape: tuple[int, ...] = (4,)) -> dict[str, obj
     return {"dtype": "F32", "shape": list(shape), "data_offsets": [start, end]}
 
 
-def _named(folder: Path, kind: str) -> Path:
-    entry = folder / "x.safetensors"
-    if kind == "directory":
-        entry.mkdir()
-    elif kind == "dangling symlink":
-        entry.symlink_to(folder / "gone")
-    elif kind == "FIFO":
-        os.mkfifo(entry)
-    elif kind == "socket":
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(entry))
-        sock.close()
-    return entry
-
-
 @pytest.mark.timeout(10)  # opening a FIFO would block: it must never be opened
 @pytest.mark.parametrize(
     ("kind", "needle"),
@@ -159,7 +144,7 @@ def test_entries_that_are_not_regular_files_are_refused_by_name(kind: str, needl
     # A short folder: a unix socket's path is limited to 107 bytes.
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         folder = Path(tmp)
-        _named(folder, kind)
+        unreadable_entry(folder, kind)
         with pytest.raises(WeightUpdateError, match=re.escape(f"'x.safetensors' {needle}")):
             checkpoint_files(folder)
         with pytest.raises(WeightUpdateError, match=re.escape(f"'x.safetensors' {needle}")):
@@ -168,7 +153,7 @@ def test_entries_that_are_not_regular_files_are_refused_by_name(kind: str, needl
 
 @pytest.mark.timeout(10)
 def test_a_fifo_swapped_in_after_the_listing_is_refused_not_waited_on(tmp_path: Path) -> None:
-    fifo = _named(tmp_path, "FIFO")
+    fifo = unreadable_entry(tmp_path, "FIFO")
     with pytest.raises(WeightUpdateError, match="is a FIFO"):
         file_schema(fifo)
     with pytest.raises(WeightUpdateError, match="is a FIFO"):

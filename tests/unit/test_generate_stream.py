@@ -4,13 +4,14 @@ while a write is in flight, failures alone, cancel by tag."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import InvalidRequest
 from engine_server.generate_stream import GenerateStream
+from harness.engine import ClientMessages
 from harness.waits import wait_until_async
 
 
@@ -33,10 +34,7 @@ class Context:
         return [d for m in self.written for d in m.deltas if d.tag == tag]
 
 
-class Requests:
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[pb.GeneratesRequest | None] = asyncio.Queue()
-
+class Requests(ClientMessages[pb.GeneratesRequest]):
     def start(self, *tags: int, tokens: int = 4) -> None:
         self.queue.put_nowait(
             pb.GeneratesRequest(
@@ -51,13 +49,6 @@ class Requests:
                 ]
             )
         )
-
-    def __aiter__(self) -> AsyncIterator[pb.GeneratesRequest]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[pb.GeneratesRequest]:
-        while (message := await self.queue.get()) is not None:
-            yield message
 
 
 async def deltas(request: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:

@@ -5,7 +5,6 @@ the sim's pause, keep and sleep freezes hold and release independently."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import struct
 import threading
@@ -32,7 +31,7 @@ from engine_server.errors import (
     RefitTimedOut,
     WeightsPathDenied,
 )
-from harness.checkpoints import tiny_weights_dir
+from harness.checkpoints import tiny_weights_dir, unreadable_entry
 
 T = TypeVar("T")
 
@@ -161,15 +160,10 @@ async def never() -> WeightLoad:
 async def test_an_unreadable_entry_is_a_refusal_not_weights_unknown(
     tmp_path: Path, kind: str
 ) -> None:
-    entry = tmp_path / "x.safetensors"
-    if kind == "directory":
-        entry.mkdir()
-    elif kind == "dangling symlink":
-        entry.symlink_to(tmp_path / "gone")
-    elif kind == "FIFO":
-        os.mkfifo(entry)
+    if kind == "nested header":
+        (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 200_000) + b"[" * 200_000)
     else:
-        entry.write_bytes(struct.pack("<Q", 200_000) + b"[" * 200_000)
+        unreadable_entry(tmp_path, kind)
     async with sim_core() as core:
         await paused(core)
         with pytest.raises(InvalidRequest, match=r"x.safetensors.*the old weights still serve"):

@@ -4,7 +4,6 @@ limits, cancels, and what ends the stream."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import Draining, InvalidRequest, StreamStalled
 from engine_server.rollout_stream import RolloutStream
+from harness.engine import ClientMessages
 from harness.waits import wait_until_async
 
 
@@ -35,11 +35,8 @@ class Context:
         return {r.tag: r for m in self.written for r in m.results}
 
 
-class Requests:
+class Requests(ClientMessages[pb.RolloutsRequest]):
     """The client side of the stream: put messages, then close (half-close)."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[pb.RolloutsRequest | None] = asyncio.Queue()
 
     def start(self, *tags: int, size: int = 3) -> None:
         self.queue.put_nowait(
@@ -52,13 +49,6 @@ class Requests:
                 ]
             )
         )
-
-    def __aiter__(self) -> AsyncIterator[pb.RolloutsRequest]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[pb.RolloutsRequest]:
-        while (message := await self.queue.get()) is not None:
-            yield message
 
 
 async def answer(request: pb.RolloutRequest, into: pb.RolloutResponse) -> None:

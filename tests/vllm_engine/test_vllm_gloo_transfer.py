@@ -47,7 +47,7 @@ from engine_server.weight_transfer_gloo import (
     send_packed,
 )
 from harness.checkpoints import tiny_weights_dir
-from harness.engine import tiny_vllm_args
+from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
 from harness.ports import free_port
 from harness.procs import ProcessGroup
 from tests.vllm_engine.test_vllm_refit import run, same
@@ -251,16 +251,7 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def greedy(stub: pb_grpc.EngineServiceStub, prompt: list[int]) -> tuple[list[int], list[float]]:
-    answer = stub.Rollout(
-        pb.RolloutRequest(
-            request_id=f"greedy-{time.monotonic_ns()}",
-            prompt_token_ids=prompt,
-            greedy=True,
-            max_new_tokens=16,
-        ),
-        timeout=60,
-    )
-    return list(answer.token_ids), list(answer.logprobs)
+    return tokens_and_logprobs(greedy_rollout(stub, prompt, 16))
 
 
 def test_a_trainer_that_never_connects_fails_init_within_its_timeout(

@@ -22,7 +22,7 @@ from engine_contract.tensors import update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import tiny_vllm_args
+from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs, version_spans
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.vllm
@@ -49,14 +49,8 @@ def run(stub: pb_grpc.EngineServiceStub, vocab: int) -> Outputs:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(8)]
     out: Outputs = []
-    for i, prompt in enumerate(prompts):
-        answer = stub.Rollout(
-            pb.RolloutRequest(
-                request_id=f"greedy-{i}", prompt_token_ids=prompt, greedy=True, max_new_tokens=24
-            ),
-            timeout=60,
-        )
-        out.append((list(answer.token_ids), list(answer.logprobs)))
+    for prompt in prompts:
+        out.append(tokens_and_logprobs(greedy_rollout(stub, prompt, 24)))
     for i, prompt in enumerate(prompts):
         request = pb.GenerateRequest(request_id=f"sampled-{i}", prompt_token_ids=prompt)
         request.sampling.temperature = 0.9
@@ -81,17 +75,8 @@ def run(stub: pb_grpc.EngineServiceStub, vocab: int) -> Outputs:
 def cached_and_versions(stub: pb_grpc.EngineServiceStub, prompt: list[int]) -> tuple[int, list]:
     """One greedy rollout of ``prompt``: its prompt tokens served from the prefix
     cache, and its weight-version spans as (version, start, end)."""
-    answer = stub.Rollout(
-        pb.RolloutRequest(
-            request_id=f"cache-{random.random()}",
-            prompt_token_ids=prompt,
-            greedy=True,
-            max_new_tokens=8,
-        ),
-        timeout=60,
-    )
-    spans = [(s.version, s.start, s.end) for s in answer.weight_versions]
-    return answer.usage.cached_prompt_tokens, spans
+    answer = greedy_rollout(stub, prompt, 8)
+    return answer.usage.cached_prompt_tokens, version_spans(answer)
 
 
 def same(got: Outputs, expected: Outputs) -> None:
