@@ -225,7 +225,10 @@ async def test_zero_delay_16k_tokens_is_fast(make_backend):
     outs = await collect(backend, "r", PROMPT, spec(16000, logprobs=0))
     elapsed = time.monotonic() - t0
     assert len(tokens_of(outs)) == 16000 and outs[-1].finish_reason is FinishReason.LENGTH
-    assert elapsed < 5.0
+    # Not a speed target (those are make bench's): a bound that only a step delay
+    # breaks. 16,000 steps at the default decode step would take minutes; the zero-
+    # delay loop takes about a second, five on a machine busy with other work.
+    assert elapsed < 30.0
 
 
 async def test_engine_failure_is_reported_as_dead(make_backend):
