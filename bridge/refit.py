@@ -13,6 +13,11 @@ Two ways in, the same cycle and the same report:
   weights come from a folder or are streamed from the trainer's memory
   (``engine_contract.tensors``), no shared filesystem needed.
 
+For vLLM's trainer-side weight-transfer engines (NCCL; ``gloo`` on CPUs), two
+``VLLMWeightSyncClient``s: ``ContractWeightSyncClient`` (the contract's phases,
+gRPC) and ``DynamoWeightSyncClient`` (a worker's RL routes, called as NeMo RL
+calls them).
+
 A step pauses all workers (concurrently), updates all, and resumes those whose
 update succeeded. A worker whose update failed stays paused on its old weights
 (resuming it would serve the old policy as if new): ``RefitError`` says which
@@ -26,6 +31,8 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -401,3 +408,105 @@ class ContractWeightSyncClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call(self._rpc.shutdown_weight_transfer_engine())
+
+
+class DynamoWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` (its four methods) over a Dynamo worker's RL
+    admin routes, calling them exactly as NeMo RL's Dynamo backend does, so that
+    vLLM's trainer-side weight-transfer engines drive a worker through its system
+    port (``dynamo.vllm --enable-rl``, or this bridge):
+
+        client = DynamoWeightSyncClient("http://worker-0:9090", weight_version="42")
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client,
+                                                              source=ModuleSource(model))
+        engine.send_weights()  # start, update (while broadcasting), finish
+
+    - ``init_weight_transfer_engine(info)``: ``POST /engine/init_weights_update_group``
+      ``{"engine_rpc": "init_weight_transfer_engine", "init_info": info}``;
+    - ``start_weight_update()``, ``update_weights(info)``, ``finish_weight_update()``:
+      ``POST /engine/update_weights_from_distributed`` with that ``engine_rpc``
+      (``is_checkpoint_format``, ``update_info``), each with NeMo RL's
+      ``allow_unpaused: true, reset_prefix_cache: false`` (the constructor's
+      ``allow_unpaused``/``reset_prefix_cache`` change them), and ``weight_version``
+      on the finish when one is given (here or to ``finish_weight_update``);
+    - ``shutdown_weight_transfer_engine()``: ``POST /engine/destroy_weights_update_group``.
+
+    Blocking calls (plain ``urllib``, one request each, so calls from several
+    threads overlap), as vLLM's trainer engines make them. ``admin_token``: as
+    ``RefitClient``'s (None reads it as a bridge does). An answer other than
+    ``status: ok`` raises ``RouteError`` with its message. ``call(route, body)``
+    reaches any other route (``pause_generation``, ``resume_generation``, ...).
+    """
+
+    def __init__(
+        self,
+        worker_url: str,
+        *,
+        weight_version: str | None = None,
+        allow_unpaused: bool = True,
+        reset_prefix_cache: bool = False,
+        timeout_s: float | None = 300.0,
+        admin_token: str | AdminToken | None = None,
+    ) -> None:
+        self.worker_url = worker_url.rstrip("/")
+        self.weight_version = weight_version
+        self.flags = {"allow_unpaused": allow_unpaused, "reset_prefix_cache": reset_prefix_cache}
+        self.timeout_s = timeout_s
+        if isinstance(admin_token, str):
+            admin_token = AdminToken(admin_token, "the admin_token argument")
+        elif admin_token is None:
+            admin_token = AdminToken.from_env()
+        self._headers = {
+            "Content-Type": "application/json",
+            **(admin_token.header() if admin_token is not None else {}),
+        }
+
+    def call(self, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /engine/<route>``; the answer, or RouteError unless ``status: ok``."""
+        request = urllib.request.Request(
+            f"{self.worker_url}/engine/{route}",
+            data=json.dumps(body or {}, allow_nan=False).encode(),
+            headers=self._headers,
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if status != 200 or not isinstance(answer, dict):
+            raise RouteError(f"{route}: HTTP {status}: {answer!r}")
+        if answer.get("status") != "ok":
+            raise RouteError(f"{route}: {answer.get('message', answer)}")
+        return answer
+
+    def _phase(self, engine_rpc: str, **kwargs: Any) -> dict[str, Any]:
+        return self.call(
+            "update_weights_from_distributed", {"engine_rpc": engine_rpc, **kwargs, **self.flags}
+        )
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.call(
+            "init_weights_update_group",
+            {"engine_rpc": "init_weight_transfer_engine", "init_info": init_info},
+        )
+
+    def start_weight_update(self) -> None:
+        self._phase("start_weight_update", is_checkpoint_format=True)
+
+    def update_weights(self, update_info: Any) -> None:
+        self._phase("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self.weight_version
+        if version is None:
+            self._phase("finish_weight_update")
+        else:
+            self._phase("finish_weight_update", weight_version=version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.call("destroy_weights_update_group", {"engine_rpc": "shutdown_weight_transfer_engine"})

@@ -30,7 +30,11 @@ this file and ``v1/__init__.py`` are written by hand.
 #      next delta only after the client names it in GeneratesRequest.taken, so
 #      the client's pace sets how coarse the deltas are (an older server ignores
 #      both fields and sends deltas as they come).
-CONTRACT_REVISION = 6
+#   7  InitWeightTransferEngineRequest.timeout_ms: the caller's deadline for the
+#      init (Dynamo's DYN_RL_INIT_WEIGHTS_TIMEOUT_S), past which the server shuts
+#      the transfer engine down and answers DEADLINE_EXCEEDED, serving its old
+#      weights (an older server ignores it: only its refit deadline bounds the init).
+CONTRACT_REVISION = 7
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout

@@ -56,6 +56,21 @@ class UpdateRefusal(enum.Enum):
     )
 
 
+class PhaseRefusal(enum.Enum):
+    """A weight-transfer phase out of order (FAILED_PRECONDITION); the value is the
+    engine server's answer, which the RL routes recognise to name the order."""
+
+    NOT_STARTED = "no weight update in progress: call StartWeightUpdate first"
+    ALREADY_STARTED = "a weight update is already in progress: finish it first"
+
+
+# The weight-transfer phases in order, as dynamo.vllm's engine_rpc names them.
+PHASE_ORDER = (
+    "the phases run in order: start_weight_update, then update_weights (once or more), "
+    "then finish_weight_update, one update at a time"
+)
+
+
 def needs_pause(options: pb.WeightUpdateOptions) -> bool:
     """Whether an update with these options needs generation paused."""
     return not options.allow_unpaused

@@ -539,17 +539,37 @@ class RefitControl:
 
     # -- weight-transfer engines (vLLM's NCCL and the like) ---------------------
 
-    async def init_weight_transfer(self, init_info_json: bytes) -> None:
+    async def init_weight_transfer(
+        self, init_info_json: bytes, timeout_s: float | None = None
+    ) -> None:
+        """``timeout_s``: the caller's deadline (the request's ``timeout_ms``; never
+        past the refit deadline). Past it the transfer engine is shut down and the
+        answer is DEADLINE_EXCEEDED naming that deadline; the old weights serve. A
+        ``gloo`` init info without its own ``timeout_s`` gets this one, so that the
+        rendezvous the engine is blocked in gives up too (and the teardown behind it
+        can run)."""
         info = _json_object("init_info_json", init_info_json)
+        limit, source = self._config.timeout_s, "the refit deadline of {:g} s (--refit-timeout-s)"
+        if timeout_s is not None and 0 < timeout_s < limit:
+            limit, source = timeout_s, "the caller's init deadline of {:g} s (timeout_ms)"
+            if (
+                self._backend.rl_capabilities().weight_transfer_backend == "gloo"
+                and "timeout_s" not in info
+            ):
+                info["timeout_s"] = timeout_s
         async with self._lock:
             await self._transfer_step(
-                self._backend.init_weight_transfer(info), "InitWeightTransferEngine", _SETUP
+                self._backend.init_weight_transfer(info),
+                "InitWeightTransferEngine",
+                _SETUP,
+                limit=limit,
+                deadline=source.format(limit),
             )
 
     async def start_weight_update(self, options: pb.WeightUpdateOptions) -> None:
         async with self._lock:
             if self._transfer is not None:
-                raise RefitRefused("a weight update is already in progress: finish it first")
+                raise RefitRefused(refit_rules.PhaseRefusal.ALREADY_STARTED.value)
             reset = self._check_update(options)
             await self._transfer_step(
                 self._backend.start_weight_update(), "StartWeightUpdate", _SETUP
@@ -587,7 +607,7 @@ class RefitControl:
 
     def _transfer_started(self) -> tuple[pb.WeightUpdateOptions, bool, float]:
         if self._transfer is None:
-            raise RefitRefused("no weight update in progress: call StartWeightUpdate first")
+            raise RefitRefused(refit_rules.PhaseRefusal.NOT_STARTED.value)
         return self._transfer
 
     async def shutdown_weight_transfer(self) -> None:
@@ -597,19 +617,28 @@ class RefitControl:
             )
             self._transfer = None
 
-    async def _transfer_step(self, step: Awaitable[T], phase: str, kind: str) -> T:
-        """One weight-transfer phase, bounded by the refit deadline. Past it: a
-        phase that sets the transfer engine up (``_SETUP``) has it torn down, one
-        that loads (``_LOADING``) leaves the weights unknown; the lock is released."""
-        limit = self._config.timeout_s
+    async def _transfer_step(
+        self,
+        step: Awaitable[T],
+        phase: str,
+        kind: str,
+        *,
+        limit: float | None = None,
+        deadline: str | None = None,
+    ) -> T:
+        """One weight-transfer phase, bounded by the refit deadline (or ``limit``,
+        described by ``deadline``). Past it: a phase that sets the transfer engine
+        up (``_SETUP``) has it torn down, one that loads (``_LOADING``) leaves the
+        weights unknown; the lock is released."""
+        if limit is None:
+            limit = self._config.timeout_s
+            deadline = f"the refit deadline of {limit:g} s (--refit-timeout-s)"
         try:
             return await _to_the_end(step, limit)
         except RefitUnsupported as e:
             raise _unsupported(e) from e
         except _Expired:
-            late = (
-                f"{phase} did not end within the refit deadline of {limit:g} s (--refit-timeout-s)"
-            )
+            late = f"{phase} did not end within {deadline}"
             if kind == _LOADING:
                 self._transfer = None
                 raise self._break(late) from None

@@ -215,7 +215,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.InitWeightTransferEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitWeightTransferEngineResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        await self._core.refit.init_weight_transfer(request.init_info_json)
+        timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
+        await self._core.refit.init_weight_transfer(request.init_info_json, timeout_s or None)
         return pb.InitWeightTransferEngineResponse()
 
     @rpc

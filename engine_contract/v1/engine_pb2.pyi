@@ -749,10 +749,12 @@ class UpdateWeightsFromTensorsResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[WeightUpdateResult, _Mapping]] = ...) -> None: ...
 
 class InitWeightTransferEngineRequest(_message.Message):
-    __slots__ = ("init_info_json",)
+    __slots__ = ("init_info_json", "timeout_ms")
     INIT_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     init_info_json: bytes
-    def __init__(self, init_info_json: _Optional[bytes] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, init_info_json: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class InitWeightTransferEngineResponse(_message.Message):
     __slots__ = ()
