@@ -16,8 +16,8 @@ from bench.frontend_compare import one_process_vs_bridges
 from bench.measure import Config
 from bench.report import Goal, added_p50_at_c1, fmt, goal_table, paired, table
 from bench.stats import Cell, Summary, closed_loop
-from bridge import driver
 from harness.procs import Proc
+from rl_client import driver
 
 # (a), then (b)'s transports; each is also the model name it is served as.
 ONE_PROCESS = "inproc"

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bridge.driver import RolloutResult
+from rl_client.driver import RolloutResult
 
 if TYPE_CHECKING:
-    from bridge.driver import RolloutClient
+    from rl_client.driver import RolloutClient
 
 # NeMo RL's fallback when the expert count is unknown, and its missing-route mark.
 FALLBACK_ROUTED_EXPERTS_DTYPE = np.int16

@@ -5,11 +5,11 @@ Two ways in, the same cycle and the same report:
 - ``RefitClient(worker_urls)``: over each Dynamo worker's RL admin routes (its
   system port, ``/engine/pause_generation`` ...), exactly as a trainer drives
   ``dynamo.vllm --enable-rl``; the new weights come from a checkpoint folder
-  every worker can read. It sends the workers' admin token (``bridge.admin_auth``:
+  every worker can read. It sends the workers' admin token (``rl_client.admin_token``:
   given, or read as a bridge reads it, ``$BRIDGE_ADMIN_TOKEN_FILE`` or
   ``$BRIDGE_ADMIN_TOKEN``) as ``Authorization: Bearer``.
 - ``EngineRefitClient(engine_addresses)``: over the engine servers' contract
-  (gRPC, ``bridge.refit_rpc``; TLS as the bridge's with ``tls=``); the new
+  (gRPC, ``rl_client.refit_rpc``; TLS as the bridge's with ``tls=``); the new
   weights come from a folder or are streamed from the trainer's memory
   (``engine_contract.tensors``), no shared filesystem needed.
 
@@ -33,12 +33,12 @@ from typing import Any, TypeVar
 import aiohttp
 import grpc
 
-from bridge.admin_auth import AdminToken
-from bridge.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
-from bridge.tls import TlsOptions
 from engine_contract.refit_rules import pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client.admin_token import AdminToken
+from rl_client.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
+from rl_client.tls import TlsOptions
 
 T = TypeVar("T")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from bridge import wire
-from bridge.wire import WireError
+from rl_client import wire
+from rl_client.wire import WireError
 
 __all__ = [
     "RetryPolicy",
