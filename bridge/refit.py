@@ -1,0 +1,22 @@
+"""Moved to ``rl_client.refit``: this path keeps the public names importable
+(``from bridge.refit import RefitClient``). New code imports ``rl_client.refit``."""
+
+from rl_client.refit import (
+    ContractWeightSyncClient,
+    EngineRefitClient,
+    RefitClient,
+    RefitError,
+    RefitReport,
+    RouteError,
+    WorkerRefit,
+)
+
+__all__ = [
+    "ContractWeightSyncClient",
+    "EngineRefitClient",
+    "RefitClient",
+    "RefitError",
+    "RefitReport",
+    "RouteError",
+    "WorkerRefit",
+]
