@@ -27,8 +27,8 @@ from bench.report import (
     table,
 )
 from bench.stats import Cell, Summary, closed_loop
-from bridge import driver
 from harness.procs import Proc
+from rl_client import driver
 
 # (a), then (b)'s transports; each is also the model name it is served as.
 ONE_PROCESS = "inproc"

@@ -15,9 +15,9 @@ import grpc
 from bench.context import PROMPT_TOKENS, Bench, say
 from bench.local_engine import LocalEngine
 from bench.stats import median, rotate
-from bridge import driver
 from bridge.client import EngineClient
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client import driver
 
 LARGE_TOKENS = 16384
 LARGE_EXPERTS = "48,8,128"

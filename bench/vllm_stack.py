@@ -17,11 +17,11 @@ from bench.frontend_rollouts import rollout_sender
 from bench.measure import Config, interleaved
 from bench.report import fmt, table
 from bench.stats import Cell, Summary, closed_loop, summarize
-from bridge import driver
 from harness.engine import tiny_vllm_args
 from harness.env import importable
 from harness.procs import Proc, Role
 from harness.waits import wait_until
+from rl_client import driver
 
 CONCURRENCY = 16
 STACK, DIRECT = "stack", "direct"

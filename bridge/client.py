@@ -19,12 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import engine_contract
 from bridge.generate_mux import GenerateMux, PendingGenerate
-from bridge.refit_rpc import RefitRpc
 from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
-from bridge.tls import TlsOptions, aio_channel, diagnose
 from engine_contract.flags import flag
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from rl_client.refit_rpc import RefitRpc
+from rl_client.tls import TlsOptions, aio_channel, diagnose
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class EngineNotReadyError(RuntimeError):
 
 
 class EngineTlsError(EngineNotReadyError):
-    """The TLS handshake with the engine server fails (``bridge.tls.diagnose`` says why)."""
+    """The TLS handshake with the engine server fails (``rl_client.tls.diagnose`` says why)."""
 
 
 class IncompatibleServerError(RuntimeError):

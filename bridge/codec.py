@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Required, TypedDict
 
-from bridge import wire
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client import wire
 
 ROLLOUT_KIND = "rollout"
 KNOWN_KINDS = (ROLLOUT_KIND,)

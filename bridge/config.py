@@ -25,10 +25,10 @@ from dynamo.common.configuration.utils import add_argument, add_negatable_bool_a
 from dynamo.common.utils.runtime import parse_endpoint
 from dynamo.llm import ModelInput
 
-from bridge.admin_auth import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from bridge.client import MIB, ClientOptions
-from bridge.tls import TlsOptions
 from engine_contract.flags import add_deprecated, add_fields, deprecated_env, flag, from_args
+from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
+from rl_client.tls import TlsOptions
 
 DEFAULT_COMPONENT = "backend"
 DEFAULT_ENDPOINT = "generate"

@@ -29,6 +29,9 @@ from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 
 from bridge import metrics
+from bridge.admin.rl_admin import RlAdmin
+from bridge.admin.rl_endpoint import RlEndpoint
+from bridge.admin.system_server import SystemPort, SystemServer
 from bridge.config import BridgeConfig, parse_args
 from bridge.engine_link import EngineLink
 from bridge.kv_relay import KvRelay
@@ -36,9 +39,6 @@ from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
 from bridge.registration import EXIT_REGISTRATION_LOST, Registration
 from bridge.request_runner import RequestRunner
-from bridge.rl_admin import RlAdmin
-from bridge.rl_endpoint import RlEndpoint
-from bridge.system_server import SystemPort, SystemServer
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ LIMIT_TRAILER = "engine-contract-limit"
 # and Dynamo's frontend answers 500 both for an engine failure this rule calls
 # final (INTERNAL, FAILED_PRECONDITION, UNKNOWN...: the bridge raises them as
 # Dynamo's Unknown) and for failures of its own that pass; NeMo RL's Dynamo
-# driver retries every 5xx, and so does ours (bridge.driver.RETRYABLE_STATUSES).
+# driver retries every 5xx, and so does ours (rl_client.driver.RETRYABLE_STATUSES).
 # A final failure then costs at most RetryPolicy.attempts - 1 more tries, never a
 # wrong answer. Everything retryable here reaches the driver as a status it
 # retries (503 once the frontend's migrations are spent), and a request's own

@@ -46,7 +46,7 @@ NOT_FOR_ROLLOUTS = {
     "port_range_low": "placement is NeMo RL's",
     "port_range_high": "placement is NeMo RL's",
     "use_async_rollouts": "rollouts are always asynchronous here",
-    "_pad_token_id": "padding is the driver's (bridge.batch)",
+    "_pad_token_id": "padding is the driver's (rl_client.batch)",
 }
 
 # vllm_cfg keys that have an engine meaning, by the neutral name backends map.

@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from bridge import driver
 from harness.waits import Watched, wait_until
+from rl_client import driver
 
 
 def http_json(

@@ -15,6 +15,6 @@ def free_port() -> int:
 def free_system_port() -> int:
     """A free port below 32768: Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an i16
     (the bridge picks its internal system port the same way)."""
-    from bridge.system_server import free_dynamo_port
+    from bridge.admin.system_server import free_dynamo_port
 
     return free_dynamo_port()

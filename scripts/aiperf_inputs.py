@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bridge import driver
+from rl_client import driver
 
 
 def special_ids(model_dir: Path) -> set[int]:

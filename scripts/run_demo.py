@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from bridge.driver import RolloutClient, RolloutResult
 from harness import ROOT
 from harness.env import dynamo_env, importable
 from harness.http import served_models
@@ -37,6 +36,7 @@ from harness.procs import ProcessGroup
 from harness.progress import counting, waiting
 from harness.tiny_model import tiny_model_dir
 from harness.waits import wait_until
+from rl_client.driver import RolloutClient, RolloutResult
 
 NAMESPACE = "demo"
 PROMPTS = (

@@ -38,7 +38,6 @@ from typing import Any
 import aiohttp
 import grpc
 
-from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness import ARTIFACTS
@@ -47,6 +46,7 @@ from harness.procs import Proc, ProcessGroup, rss_bytes
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
 from harness.waits import WaitTimeout
+from rl_client import driver
 
 MODEL = "tiny-soak"
 NAMESPACE = "soak"

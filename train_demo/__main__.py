@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The driver logs each retry; while the killed engine restarts, that is dozens.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("bridge.driver").setLevel(logging.ERROR)
+    logging.getLogger("rl_client.driver").setLevel(logging.ERROR)
 
     config = RunConfig(
         steps=args.steps, learning_rate=args.lr, seed=args.seed, fault_step=args.fault_step

@@ -32,14 +32,14 @@ from typing import Any
 import grpc
 import torch
 
-from bridge.driver import RetryPolicy, RolloutClient, RolloutResult
-from bridge.refit import EngineRefitClient
-from bridge.refit_rpc import RefitRpc
 from engine_contract.tensors import Tensor
 from harness.engine import load, tiny_vllm_args
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
+from rl_client.driver import RetryPolicy, RolloutClient, RolloutResult
+from rl_client.refit import EngineRefitClient
+from rl_client.refit_rpc import RefitRpc
 from train_demo.grpo import (
     Task,
     group_advantages,

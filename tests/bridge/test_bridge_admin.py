@@ -19,13 +19,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bridge.admin_auth import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken, exposure_warning, is_loopback
+from bridge.admin.auth import exposure_warning, is_loopback
+from bridge.admin.rl_admin import RlAdmin
+from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
 from bridge.config import MODEL_FILES, parse_args
-from bridge.refit import RefitClient, RouteError
-from bridge.refit_rpc import RefitRpc
-from bridge.rl_admin import RlAdmin
-from bridge.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
+from rl_client.refit import RefitClient, RouteError
+from rl_client.refit_rpc import RefitRpc
 
 TOKEN = "s3cret-Token_0123456789"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bridge.batch import assemble, prompts_from_padded, routed_experts_dtype
-from bridge.driver import RolloutResult, RoutedExperts
+from rl_client.batch import assemble, prompts_from_padded, routed_experts_dtype
+from rl_client.driver import RolloutResult, RoutedExperts
 
 LAYERS, TOP_K = 3, 2
 

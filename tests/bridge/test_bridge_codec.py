@@ -9,9 +9,10 @@ import struct
 
 import pytest
 
-from bridge import codec, wire
+from bridge import codec
 from bridge.codec import RequestError
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client import wire
 
 
 def f32(x: float) -> float:

@@ -1,6 +1,8 @@
 """The dependency rule, checked at runtime and in the source: the bridge runs
 where vllm and torch cannot be imported; the engine server where dynamo and
-bridge cannot; and no file of either imports them, even lazily."""
+bridge cannot; the RL side's clients (rl_client) where none of dynamo, vllm,
+torch, bridge and engine_server can; and no file of any imports them, even
+lazily."""
 
 from __future__ import annotations
 
@@ -32,10 +34,7 @@ def test_the_blocker_blocks() -> None:
 
 def test_bridge_imports_and_runs_without_vllm_or_torch() -> None:
     env = blocking_env("vllm", "torch")
-    out = run(env, "-c", "import bridge.engine, bridge.__main__, bridge.driver; print('ok')")
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-    # The driver's batch output: numpy arrays, torch nowhere.
-    out = run(env, "-c", "import bridge.batch; print('ok')")
+    out = run(env, "-c", "import bridge.engine, bridge.__main__; print('ok')")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     out = run(env, "-m", "bridge", "--help")
     assert out.returncode == 0, out.stderr
@@ -52,6 +51,27 @@ def test_engine_server_imports_no_dynamo_or_bridge() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     out = run(env, "-m", "engine_server", "--backend", "sim", "--help")
     assert out.returncode == 0, out.stderr
+
+
+# What the driver and the trainer run with (the `driver` extra): none of these.
+RL_CLIENT_BANNED = ("dynamo", "vllm", "torch", "bridge", "engine_server")
+
+
+def _modules(package: str) -> list[str]:
+    """Every module of ``package``, dotted, the package itself first."""
+    names = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(names, key=lambda name: (name != package, name))
+
+
+def test_every_rl_client_module_imports_without_dynamo_vllm_torch_bridge_or_engine_server() -> None:
+    modules = _modules("rl_client")
+    assert "rl_client.driver" in modules and "rl_client.refit" in modules, modules
+    code = f"import importlib\nfor m in {modules!r}:\n    importlib.import_module(m)\nprint('ok')"
+    out = run(blocking_env(*RL_CLIENT_BANNED), "-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def _imported_roots(package: str) -> dict[str, set[str]]:
@@ -71,7 +91,11 @@ def _imported_roots(package: str) -> dict[str, set[str]]:
 
 
 def test_no_file_of_either_side_imports_the_other_sides_dependencies() -> None:
-    rules = {"bridge": {"vllm", "torch"}, "engine_server": {"dynamo", "bridge"}}
+    rules = {
+        "bridge": {"vllm", "torch"},
+        "engine_server": {"dynamo", "bridge"},
+        "rl_client": set(RL_CLIENT_BANNED),
+    }
     for package, banned in rules.items():
         found = _imported_roots(package)
         assert found, package

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from bridge import codec, driver, wire
+from bridge import codec
 from engine_contract.tensors import TENSOR_DTYPES
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client import driver, wire
 from tests.bridge.bridge_fakes import fake_frontend, frontend_body
 
 # The routed-experts dtypes the wire allows, as the contract numbers them.
@@ -197,7 +198,7 @@ def test_driver_needs_neither_dynamo_nor_grpc() -> None:
         "        if name.split('.')[0] in ('dynamo', 'grpc', 'torch', 'vllm', 'google'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import bridge.driver, bridge.batch\n"
+        "import rl_client.driver, rl_client.batch\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

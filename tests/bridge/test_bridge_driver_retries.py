@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client import driver
 from tests.bridge.bridge_fakes import fake_frontend, frontend_body
 
 FAST = driver.RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02)

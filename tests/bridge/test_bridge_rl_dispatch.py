@@ -19,11 +19,11 @@ import grpc
 import pytest
 from aiohttp import web
 
-from bridge.refit import DynamoWeightSyncClient, RouteError
-from bridge.refit_rpc import RefitRpc
-from bridge.rl_admin import INIT_TIMEOUT_ENV, RlAdmin
+from bridge.admin.rl_admin import INIT_TIMEOUT_ENV, RlAdmin
 from engine_contract.refit_rules import PHASE_ORDER, PhaseRefusal
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client.refit import DynamoWeightSyncClient, RouteError
+from rl_client.refit_rpc import RefitRpc
 
 NEMO_FLAGS = {"allow_unpaused": True, "reset_prefix_cache": False}
 INIT_INFO = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}

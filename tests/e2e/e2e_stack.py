@@ -8,11 +8,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
 from harness.engine import long_sim_args
 from harness.procs import ProcessGroup
 from harness.stack import Stack
+from rl_client import driver
 
 MODEL = "tiny"
 # A second model on its own engine server whose EOS is never the likeliest token,

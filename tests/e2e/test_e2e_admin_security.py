@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from bridge.refit import RefitClient
 from harness.engine import load
 from harness.listeners import Listener, listeners, process_tree
 from harness.ports import free_port, free_system_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client.refit import RefitClient
 
 pytestmark = pytest.mark.dynamo
 

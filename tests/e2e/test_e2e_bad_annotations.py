@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from bridge import driver
 from harness.stack import Stack
+from rl_client import driver
 from tests.e2e.e2e_stack import bridged_rollout
 
 pytestmark = pytest.mark.dynamo

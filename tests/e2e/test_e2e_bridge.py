@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
 from harness.engine import load
 from harness.http import http_json, open_sse_stream
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client import driver
 from tests.e2e.e2e_stack import LONG_MODEL, assert_same, bridged_rollout, direct_rollout
 
 pytestmark = pytest.mark.dynamo

@@ -29,8 +29,6 @@ from typing import Any
 import grpc
 import pytest
 
-from bridge import driver
-from bridge.refit import DynamoWeightSyncClient, RouteError
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
@@ -39,6 +37,8 @@ from harness.http import http_json
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
+from rl_client import driver
+from rl_client.refit import DynamoWeightSyncClient, RouteError
 
 pytestmark = [
     pytest.mark.dynamo,

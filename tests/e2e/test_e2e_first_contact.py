@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bridge import driver
-from bridge.batch import generate_batch
 from engine_contract.v1 import engine_pb2 as pb
 from harness.env import dynamo_env
 from harness.http import http_json
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
+from rl_client import driver
+from rl_client.batch import generate_batch
 from tests.e2e.e2e_stack import assert_same, direct_rollout
 
 pytestmark = pytest.mark.dynamo

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from bridge import driver
 from harness.env import importable
 from harness.http import served_models
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client import driver
 
 pytestmark = pytest.mark.dynamo
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from bridge import driver
 from harness.metrics import Samples, scrape
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client import driver
 
 pytestmark = pytest.mark.dynamo
 

@@ -25,8 +25,6 @@ import aiohttp
 import grpc
 import pytest
 
-from bridge import driver
-from bridge.refit import RefitClient, RefitError
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
@@ -36,6 +34,8 @@ from harness.ports import free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
+from rl_client import driver
+from rl_client.refit import RefitClient, RefitError
 
 pytestmark = pytest.mark.dynamo
 

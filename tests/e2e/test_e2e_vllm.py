@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bridge import driver
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.engine import load, tiny_vllm_args
@@ -19,6 +18,7 @@ from harness.http import http_json, open_sse_stream
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client import driver
 
 pytestmark = [
     pytest.mark.dynamo,

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from bridge import driver
 from harness import ROOT
 from harness.engine import tiny_vllm_args
 from harness.env import importable
@@ -31,6 +30,7 @@ from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
 from harness.waits import wait_until
+from rl_client import driver
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 

@@ -19,11 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bridge import driver
 from harness.engine import idle, wait_load
 from harness.http import http_json, post
 from harness.procs import ProcessGroup
 from harness.stack import Stack
+from rl_client import driver
 from tests.faults.faults_common import LONG_SIM_ARGS
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]

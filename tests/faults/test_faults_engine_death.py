@@ -16,7 +16,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bridge import driver
 from harness.engine import load, wait_load
 from harness.env import health_env
 from harness.http import Outcome, http_json, post_rollout, post_stream, stream_body
@@ -24,6 +23,7 @@ from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import KV_ROUTER_ARGS, Stack
 from harness.waits import wait_until, wait_until_probe_async
+from rl_client import driver
 from tests.faults.faults_common import (
     LONG_SIM_ARGS,
     kv_hit_rate,

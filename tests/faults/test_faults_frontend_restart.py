@@ -11,12 +11,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bridge import driver
 from harness.engine import idle, wait_load
 from harness.http import post_rollout
 from harness.ports import free_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
+from rl_client import driver
 from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]

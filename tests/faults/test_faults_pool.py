@@ -16,12 +16,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bridge import driver
 from harness.http import post_rollout
 from harness.ports import free_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
+from rl_client import driver
 from tests.faults.faults_common import prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]

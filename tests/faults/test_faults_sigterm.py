@@ -18,12 +18,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bridge import driver
 from harness.engine import idle, wait_load
 from harness.http import Outcome, post_rollout, served_models
 from harness.procs import ProcessGroup, group_alive
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client import driver
 from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]

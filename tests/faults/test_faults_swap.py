@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from bridge import driver
 from harness.engine import tiny_vllm_args
 from harness.http import http_json
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
+from rl_client import driver
 from tests.faults.faults_common import record
 from tests.faults.test_faults_version_skew import SKEWED, skew
 

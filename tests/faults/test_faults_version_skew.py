@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 
 import engine_contract
-from bridge import driver
 from harness import ROOT
 from harness.http import Outcome, http_json, post_stream, stream_body
 from harness.procs import ProcessGroup
 from harness.stack import Stack
+from rl_client import driver
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 

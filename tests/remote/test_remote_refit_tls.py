@@ -1,5 +1,5 @@
 """Trainers reach an mTLS engine server: ``EngineRefitClient`` and
-``ContractWeightSyncClient`` take the bridge's TLS options (``bridge.tls.TlsOptions``)
+``ContractWeightSyncClient`` take the bridge's TLS options (``rl_client.tls.TlsOptions``)
 and run the refit cycle over them; without a client certificate the server
 refuses them. No Dynamo: the engine server runs in this process."""
 
@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from bridge.refit import ContractWeightSyncClient, EngineRefitClient, RefitError
-from bridge.refit_rpc import RefitRpc
-from bridge.tls import TlsOptions
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
 from harness.engine import InProcessServer, sim_cli_args
 from harness.tiny_model import tiny_model_dir
+from rl_client.refit import ContractWeightSyncClient, EngineRefitClient, RefitError
+from rl_client.refit_rpc import RefitRpc
+from rl_client.tls import TlsOptions
 from tests.remote.pki import Pki
 
 

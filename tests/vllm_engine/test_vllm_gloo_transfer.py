@@ -36,7 +36,6 @@ from vllm.distributed.weight_transfer.packed_tensor import (
     DEFAULT_PACKED_NUM_BUFFERS,
 )
 
-from bridge.refit import ContractWeightSyncClient
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.weight_transfer_gloo import (
@@ -50,6 +49,7 @@ from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
 from harness.ports import free_port
 from harness.procs import ProcessGroup
+from rl_client.refit import ContractWeightSyncClient
 from tests.vllm_engine.test_vllm_refit import run, same
 
 pytestmark = pytest.mark.vllm

@@ -9,7 +9,7 @@ reads), and this server answers the RL routes and passes every other request
 (``/health``, ``/live``, ``/metrics``, ``/engine/control/...``) to it, status,
 headers and body unchanged.
 
-With an admin token (``bridge.admin_auth``) every path but ``/health``,
+With an admin token (``bridge.admin.auth``) every path but ``/health``,
 ``/live`` and ``/metrics`` needs it, Dynamo's own ``/engine/...`` included.
 Bodies and answers are strict JSON: ``NaN`` and ``Infinity`` are refused on the
 way in and can never leave (``allow_nan=False``).
@@ -30,7 +30,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from bridge.admin_auth import AdminToken, auth_middleware, exposure_warning
+from bridge.admin.auth import auth_middleware, exposure_warning
+from rl_client.admin_token import AdminToken
 
 log = logging.getLogger(__name__)
 

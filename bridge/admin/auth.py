@@ -8,114 +8,30 @@ have it load a checkpoint. With a token set, every request but the probes
 never from a flag value (which ``ps`` shows to every user), is compared in
 constant time, and is never logged (``AdminToken``'s repr hides it).
 
-No Dynamo import: trainers (``bridge.refit``) read the token here too.
+The token itself (``AdminToken``: read, compared, never shown) is
+``rl_client.admin_token``, which trainers (``rl_client.refit``) use too; this
+module is the server side: the middleware and the start-up warning.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
-import os
 import time
-from collections.abc import Mapping
-from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
+
 log = logging.getLogger(__name__)
 
-# The token itself, for a trainer or a bridge that has no file (ours, not DYN_*).
-TOKEN_ENV = "BRIDGE_ADMIN_TOKEN"
-# A file holding it (the bridge's --admin-token-file; read by trainers too).
-TOKEN_FILE_ENV = "BRIDGE_ADMIN_TOKEN_FILE"
 # Open without a token: the probes of orchestrators and Prometheus.
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 _REALM = 'Bearer realm="worker-admin"'
 # At most one log line per this many seconds about refused requests (a flood of
 # them must not flood the log).
 _REFUSAL_LOG_INTERVAL_S = 10.0
-
-
-class AdminToken:
-    """A bearer token; compared in constant time, never shown."""
-
-    __slots__ = ("_secret", "source")
-
-    def __init__(self, secret: str, source: str) -> None:
-        problem = token_problem(secret)
-        if problem is not None:
-            raise ValueError(f"the admin token from {source} {problem}")
-        self._secret = secret.encode("ascii")
-        # Where it came from, for messages ("file /run/secrets/x", "$BRIDGE_ADMIN_TOKEN").
-        self.source = source
-
-    def __repr__(self) -> str:
-        return f"AdminToken(from {self.source}, hidden)"
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> AdminToken:
-        """The file's content without surrounding whitespace (a trailing newline);
-        ValueError naming the file when it cannot be read or holds nothing."""
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read the admin token file {os.fspath(path)}: {e}") from None
-        return cls(text.strip(), f"file {os.fspath(path)}")
-
-    @classmethod
-    def resolve(
-        cls, path: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None
-    ) -> AdminToken | None:
-        """The token a bridge or a trainer uses: from ``path`` if given, else from
-        ``$BRIDGE_ADMIN_TOKEN``; None when neither is set. A set but empty
-        variable is refused (fail closed: it was meant to hold a token)."""
-        if path:
-            return cls.from_file(path)
-        env = os.environ if environ is None else environ
-        value = env.get(TOKEN_ENV)
-        if value is None:
-            return None
-        return cls(value.strip(), f"${TOKEN_ENV}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> AdminToken | None:
-        """As a bridge started in this environment reads it: the file named by
-        ``$BRIDGE_ADMIN_TOKEN_FILE``, else ``$BRIDGE_ADMIN_TOKEN``."""
-        env = os.environ if environ is None else environ
-        return cls.resolve(env.get(TOKEN_FILE_ENV) or None, env)
-
-    def header(self) -> dict[str, str]:
-        """The request header that carries it."""
-        return {"Authorization": f"Bearer {self._secret.decode('ascii')}"}
-
-    def matches(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header value carries this token."""
-        if not authorization:
-            return False
-        scheme, _, presented = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        try:
-            candidate = presented.strip().encode("ascii")
-        except UnicodeEncodeError:
-            return False
-        return hmac.compare_digest(candidate, self._secret)
-
-
-def token_problem(secret: str) -> str | None:
-    """Why ``secret`` cannot be a token, or None. It travels in an HTTP header:
-    visible ASCII only. Never quotes the token."""
-    if not secret:
-        return "is empty"
-    for index, char in enumerate(secret):
-        if not "!" <= char <= "~":
-            return (
-                f"holds a character that is not visible ASCII at index {index}: a token "
-                "travels in an HTTP header"
-            )
-    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -138,7 +54,7 @@ def exposure_warning(host: str, port: int, token: AdminToken | None) -> str | No
         "anyone who can reach this port can pause this worker, put it to sleep, relabel "
         "its weights or make it load any checkpoint its engine server can read. Set a "
         f"token with --admin-token-file PATH (or {TOKEN_FILE_ENV}, or {TOKEN_ENV}); "
-        "trainers then send 'Authorization: Bearer <token>' (bridge.refit.RefitClient "
+        "trainers then send 'Authorization: Bearer <token>' (rl_client.refit.RefitClient "
         f"reads {TOKEN_ENV} / {TOKEN_FILE_ENV}). Or listen on loopback only: "
         "DYN_SYSTEM_HOST=127.0.0.1"
     )

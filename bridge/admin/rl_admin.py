@@ -4,7 +4,7 @@ Same names, request bodies and answer shapes as dynamo.vllm 1.6.1, so that a
 trainer that drives Dynamo's vLLM worker (NeMo RL's managed Dynamo backend)
 drives this worker unchanged. Every answer carries ``"status": "ok"|"error"``
 and errors a ``"message"``; a bad body is an error answer and the engine keeps
-serving. Each route is one or a few contract RPCs (``bridge.refit_rpc``); the
+serving. Each route is one or a few contract RPCs (``rl_client.refit_rpc``); the
 engine server holds the rules (one lock for pause, resume, updates, sleep and
 wake; updates refused unless paused, and an unpaused one may not reset the
 prefix cache; versions set only on success) and refuses in dynamo.vllm's words,
@@ -50,7 +50,6 @@ import grpc
 
 from bridge.client import EngineClient
 from bridge.codec import clip
-from bridge.refit_rpc import RefitRpc
 from bridge.registration import Registration
 from engine_contract.labels import label_problem
 from engine_contract.refit_rules import (
@@ -63,6 +62,7 @@ from engine_contract.refit_rules import (
     update_refusal,
 )
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client.refit_rpc import RefitRpc
 
 log = logging.getLogger(__name__)
 

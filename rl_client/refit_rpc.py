@@ -2,7 +2,7 @@
 
 ``RefitRpc`` wraps an ``EngineServiceStub``. The bridge's ``EngineClient`` hands
 it its own channel (``EngineClient.refit``); a trainer opens one with
-``RefitRpc.connect``, TLS as the bridge's (the same ``bridge.tls.TlsOptions``).
+``RefitRpc.connect``, TLS as the bridge's (the same ``rl_client.tls.TlsOptions``).
 Requests and answers are the contract's messages. A refusal is the engine
 server's gRPC status (``grpc.aio.AioRpcError``), and its message is the answer
 to pass on: the engine server alone holds the refit rules
@@ -19,9 +19,9 @@ from collections.abc import AsyncIterable, Iterable
 
 import grpc
 
-from bridge.tls import TlsOptions, aio_channel
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from rl_client.tls import TlsOptions, aio_channel
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 

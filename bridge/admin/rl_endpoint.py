@@ -20,8 +20,8 @@ from typing import Any
 from dynamo.common.rl.admin import RLRouteRegistry
 from dynamo.runtime import DistributedRuntime
 
+from bridge.admin.rl_admin import Route
 from bridge.config import BridgeConfig
-from bridge.rl_admin import Route
 
 log = logging.getLogger(__name__)
 

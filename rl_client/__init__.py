@@ -1,0 +1,17 @@
+"""The RL side's clients: what a driver and a trainer import, no Dynamo in sight.
+
+- ``rl_client.driver``: ``RolloutClient``, rollouts through a Dynamo frontend
+  (aiohttp); ``rl_client.wire``: a rollout's JSON in ``engine_data``, which the
+  bridge writes and the driver reads.
+- ``rl_client.batch``: a batch of rollouts as NeMo RL's ``GenerationOutputSpec``
+  (numpy).
+- ``rl_client.refit``: the trainer's refit cycle (``RefitClient`` over the
+  workers' admin routes, ``EngineRefitClient`` and ``ContractWeightSyncClient``
+  over the contract); ``rl_client.refit_rpc``: the contract's refit RPCs, one
+  typed method each; ``rl_client.tls``: TLS options for the contract, the
+  bridge's own; ``rl_client.admin_token``: the workers' admin token.
+
+Kept import-free, and importable with the ``driver`` extra alone: no module
+here imports dynamo, vllm, torch, ``bridge`` or ``engine_server`` (tests keep it
+so). The bridge imports from here, never the other way.
+"""
