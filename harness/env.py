@@ -12,6 +12,17 @@ from harness import ROOT
 # Holds the sitecustomize.py that fails the imports named in BLOCKED_IMPORTS.
 BLOCKERS_DIR = Path(__file__).resolve().parent / "blockers"
 
+# Dynamo on one machine in a worker's flags: the planes dynamo_env sets (file
+# discovery, TCP requests, ZMQ events).
+ONE_MACHINE_FLAGS = (
+    "--discovery-backend",
+    "file",
+    "--request-plane",
+    "tcp",
+    "--event-plane",
+    "zmq",
+)
+
 
 def dynamo_env(kv_dir: Path, **extra: str) -> dict[str, str]:
     """Dynamo processes on one machine: file discovery in ``kv_dir``, TCP requests,

@@ -23,6 +23,7 @@ from rl_client import wire
 from rl_client.wire import WireError
 
 __all__ = [
+    "RETRYABLE_STATUSES",
     "RetryPolicy",
     "RolloutCancelledError",
     "RolloutClient",

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import engine_contract
 from bridge import codec
+from bridge.admin.rl_admin import RlAdmin
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server import tracing
@@ -258,12 +259,30 @@ def frontend_body(resp: pb.RolloutResponse) -> dict[str, Any]:
     return json.loads(json.dumps(body, allow_nan=False))
 
 
-async def fake_frontend(handler: Any) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
+async def serve_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serves app on a free loopback port; returns its runner (to clean up) and base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def fake_frontend(handler: Any) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    return await serve_loopback(app)
+
+
+class FakeRegistration:
+    """The worker's registration, doing nothing when RlAdmin leaves or rejoins it."""
+
+    async def leave(self, why: str) -> None: ...
+
+    async def rejoin(self, why: str) -> None: ...
+
+
+def rl_admin(client: Any) -> RlAdmin:
+    """RlAdmin over a fake engine client (one with a ``refit`` RefitRpc)."""
+    return RlAdmin(lambda: client, FakeRegistration())  # type: ignore[arg-type]

@@ -20,13 +20,13 @@ import pytest
 from aiohttp import web
 
 from bridge.admin.auth import exposure_warning, is_loopback
-from bridge.admin.rl_admin import RlAdmin
 from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
 from bridge.config import MODEL_FILES, parse_args
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from rl_client.refit import RefitClient, RouteError
 from rl_client.refit_rpc import RefitRpc
+from tests.bridge.bridge_fakes import rl_admin, serve_loopback
 
 TOKEN = "s3cret-Token_0123456789"
 
@@ -145,12 +145,8 @@ async def upstream() -> AsyncIterator[Upstream]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield Upstream(f"http://127.0.0.1:{port}", port, seen, authorization)
+    runner, url = await serve_loopback(app)
+    yield Upstream(url, runner.addresses[0][1], seen, authorization)
     await runner.cleanup()
 
 
@@ -353,16 +349,6 @@ class _RecordingStub:
         return call
 
 
-class FakeRegistration:
-    async def leave(self, why: str) -> None: ...
-
-    async def rejoin(self, why: str) -> None: ...
-
-
-def _admin(client: FakeClient) -> RlAdmin:
-    return RlAdmin(lambda: client, FakeRegistration())  # type: ignore[arg-type,return-value]
-
-
 BAD_LABELS = [
     (math.nan, "finite"),
     (math.inf, "finite"),
@@ -378,7 +364,7 @@ BAD_LABELS = [
 @pytest.mark.parametrize(("value", "problem"), BAD_LABELS)
 async def test_bad_version_labels_are_refused_before_any_rpc(value: Any, problem: str) -> None:
     client = FakeClient(paused=True)
-    admin = _admin(client)
+    admin = rl_admin(client)
     for route, body in (
         (admin.set_weight_version, {"weight_version": value}),
         (admin.update_weights_from_disk, {"model_path": "/ckpt", "weight_version": value}),
@@ -394,7 +380,7 @@ async def test_bad_version_labels_are_refused_before_any_rpc(value: Any, problem
 
 async def test_good_version_labels_still_pass() -> None:
     client = FakeClient()
-    admin = _admin(client)
+    admin = rl_admin(client)
     assert await admin.set_weight_version({"weight_version": 7}) == {"status": "ok", "version": 7}
     assert await admin.set_weight_version({"weight_version": "step-8 é"}) == {
         "status": "ok",
@@ -410,7 +396,7 @@ async def test_good_version_labels_still_pass() -> None:
 
 async def test_update_info_that_json_cannot_carry_is_refused() -> None:
     client = FakeClient()
-    answer = await _admin(client).update_weights_from_distributed({"scale": math.inf})
+    answer = await rl_admin(client).update_weights_from_distributed({"scale": math.inf})
     assert answer["status"] == "error" and "JSON cannot carry" in answer["message"]
     assert client.rpcs == []
 
@@ -418,7 +404,7 @@ async def test_update_info_that_json_cannot_carry_is_refused() -> None:
 @pytest.mark.parametrize("value", ["no", "false", 0, 1, None, [], {}])
 async def test_clear_cache_must_be_a_boolean(value: Any) -> None:
     client = FakeClient()
-    answer = await _admin(client).pause_generation({"mode": "wait", "clear_cache": value})
+    answer = await rl_admin(client).pause_generation({"mode": "wait", "clear_cache": value})
     assert answer == {"status": "error", "message": "'clear_cache' must be a boolean"}
     assert client.rpcs == []
 
@@ -426,7 +412,7 @@ async def test_clear_cache_must_be_a_boolean(value: Any) -> None:
 @pytest.mark.parametrize(("body", "expected"), [({}, False), ({"clear_cache": True}, True)])
 async def test_clear_cache_booleans_pass(body: dict[str, Any], expected: bool) -> None:
     client = FakeClient()
-    answer = await _admin(client).pause_generation(body)
+    answer = await rl_admin(client).pause_generation(body)
     assert answer["status"] == "ok" and answer["clear_cache"] is expected
     assert client.rpcs == ["PauseGeneration"]
     assert client.requests[0].clear_cache is expected

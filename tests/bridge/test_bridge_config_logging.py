@@ -10,6 +10,7 @@ from dynamo.runtime.logging import configure_dynamo_logging
 
 from bridge.config import MODEL_FILES, parse_args
 from bridge.logging import LOGGER_NAME, configure_bridge_logging
+from harness.env import ONE_MACHINE_FLAGS
 
 
 @pytest.fixture
@@ -30,12 +31,7 @@ def test_cli_maps_to_bridge_and_worker_config(model_dir: Path) -> None:
             "tiny",
             "--namespace",
             "ns",
-            "--discovery-backend",
-            "file",
-            "--request-plane",
-            "tcp",
-            "--event-plane",
-            "zmq",
+            *ONE_MACHINE_FLAGS,  # file, tcp, zmq
             "--connect-timeout",
             "7",
             "--max-message-mib",

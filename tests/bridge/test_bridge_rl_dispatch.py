@@ -19,11 +19,12 @@ import grpc
 import pytest
 from aiohttp import web
 
-from bridge.admin.rl_admin import INIT_TIMEOUT_ENV, RlAdmin
+from bridge.admin.rl_admin import INIT_TIMEOUT_ENV
 from engine_contract.refit_rules import PHASE_ORDER, PhaseRefusal
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.refit import DynamoWeightSyncClient, RouteError
 from rl_client.refit_rpc import RefitRpc
+from tests.bridge.bridge_fakes import rl_admin, serve_loopback
 
 NEMO_FLAGS = {"allow_unpaused": True, "reset_prefix_cache": False}
 INIT_INFO = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
@@ -97,16 +98,6 @@ class _Stub:
         return call
 
 
-class _Registration:
-    async def leave(self, why: str) -> None: ...
-
-    async def rejoin(self, why: str) -> None: ...
-
-
-def _admin(engine: Engine) -> RlAdmin:
-    return RlAdmin(lambda: engine, _Registration())  # type: ignore[arg-type,return-value]
-
-
 def _json_of(raw: bytes) -> Any:
     return json.loads(raw)
 
@@ -116,7 +107,7 @@ def _json_of(raw: bytes) -> Any:
 
 async def test_nemo_rl_step_runs_each_phase_once_with_its_arguments() -> None:
     engine = Engine()
-    admin = _admin(engine)
+    admin = rl_admin(engine)
     start = {"engine_rpc": "start_weight_update", "is_checkpoint_format": True, **NEMO_FLAGS}
     answer = await admin.update_weights_from_distributed(start)
     assert answer == {"status": "ok", "version": "unknown", "version_declared": False}
@@ -142,7 +133,7 @@ async def test_nemo_rl_step_runs_each_phase_once_with_its_arguments() -> None:
 
 async def test_finish_labels_the_new_weights_with_the_version_sent() -> None:
     engine = Engine()
-    admin = _admin(engine)
+    admin = rl_admin(engine)
     await admin.update_weights_from_distributed({"engine_rpc": "start_weight_update", **NEMO_FLAGS})
     answer = await admin.update_weights_from_distributed(
         {"engine_rpc": "finish_weight_update", "weight_version": 7, **NEMO_FLAGS}
@@ -157,7 +148,7 @@ async def test_reset_and_version_after_the_phase_as_dynamo_does() -> None:
     """dynamo.vllm's defaults: reset_prefix_cache true (paused), and a version sent
     with any phase is set once that phase succeeded."""
     engine = Engine(paused=True)
-    admin = _admin(engine)
+    admin = rl_admin(engine)
     answer = await admin.update_weights_from_distributed(
         {"engine_rpc": "start_weight_update", "weight_version": "s1"}
     )
@@ -174,7 +165,7 @@ async def test_reset_and_version_after_the_phase_as_dynamo_does() -> None:
 
 async def test_the_default_is_update_weights_from_path() -> None:
     engine = Engine(paused=True)
-    admin = _admin(engine)
+    admin = rl_admin(engine)
     for key in ("weights_path", "model_path", "path"):
         engine.calls.clear()
         answer = await admin.update_weights_from_distributed(
@@ -217,7 +208,7 @@ async def test_unknown_phases_and_arguments_are_refused_before_any_rpc(
     body: dict[str, Any], words: str
 ) -> None:
     engine = Engine()
-    answer = await _admin(engine).update_weights_from_distributed({**body, **NEMO_FLAGS})
+    answer = await rl_admin(engine).update_weights_from_distributed({**body, **NEMO_FLAGS})
     assert answer["status"] == "error" and words in answer["message"], answer
     if "not one this worker runs" in words:
         assert "start_weight_update, update_weights, finish_weight_update" in answer["message"]
@@ -241,7 +232,7 @@ async def test_phases_out_of_order_are_error_answers_naming_the_order(
     before: list[str], rpc: str, refusal: PhaseRefusal
 ) -> None:
     engine = Engine()
-    admin = _admin(engine)
+    admin = rl_admin(engine)
     for earlier in before:
         assert (await admin.update_weights_from_distributed({"engine_rpc": earlier, **NEMO_FLAGS}))[
             "status"
@@ -261,7 +252,7 @@ async def test_phases_out_of_order_are_error_answers_naming_the_order(
 
 async def test_not_paused_keeps_dynamo_words_before_the_phase() -> None:
     engine = Engine(paused=False)
-    answer = await _admin(engine).update_weights_from_distributed(
+    answer = await rl_admin(engine).update_weights_from_distributed(
         {"engine_rpc": "update_weights", "update_info": UPDATE_INFO, "reset_prefix_cache": False}
     )
     assert answer["status"] == "error" and answer["message"].startswith("Worker must be paused")
@@ -273,7 +264,7 @@ async def test_not_paused_keeps_dynamo_words_before_the_phase() -> None:
 
 async def test_init_info_is_the_init_info() -> None:
     engine = Engine()
-    answer = await _admin(engine).init_weights_update_group(
+    answer = await rl_admin(engine).init_weights_update_group(
         {"engine_rpc": "init_weight_transfer_engine", "init_info": INIT_INFO}
     )
     assert answer == {"status": "ok", "message": "Weight update group initialized"}
@@ -287,7 +278,7 @@ async def test_a_body_without_init_info_is_the_info_itself() -> None:
     engine = Engine()
     for body in (INIT_INFO, {"engine_rpc": "init_broadcaster", **INIT_INFO}):
         engine.calls.clear()
-        assert (await _admin(engine).init_weights_update_group(body))["status"] == "ok"
+        assert (await rl_admin(engine).init_weights_update_group(body))["status"] == "ok"
         assert _json_of(engine.request("InitWeightTransferEngine").init_info_json) == INIT_INFO
 
 
@@ -301,7 +292,7 @@ async def test_a_body_without_init_info_is_the_info_itself() -> None:
 )
 async def test_bad_init_bodies_are_refused_before_any_rpc(body: dict[str, Any], words: str) -> None:
     engine = Engine()
-    answer = await _admin(engine).init_weights_update_group(body)
+    answer = await rl_admin(engine).init_weights_update_group(body)
     assert answer["status"] == "error" and words in answer["message"], answer
     assert engine.rpcs == []
 
@@ -313,7 +304,7 @@ async def test_init_timeout_shuts_the_transfer_engine_down_and_answers_an_error(
     engine = Engine()
     engine.hang_init = True
     started = asyncio.get_running_loop().time()
-    answer = await _admin(engine).init_weights_update_group(
+    answer = await rl_admin(engine).init_weights_update_group(
         {"engine_rpc": "init_weight_transfer_engine", "init_info": INIT_INFO}
     )
     assert asyncio.get_running_loop().time() - started < 5
@@ -328,7 +319,7 @@ async def test_init_timeout_shuts_the_transfer_engine_down_and_answers_an_error(
 async def test_a_huge_init_timeout_fits_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(INIT_TIMEOUT_ENV, "1e12")
     engine = Engine()
-    assert (await _admin(engine).init_weights_update_group({"init_info": {}}))["status"] == "ok"
+    assert (await rl_admin(engine).init_weights_update_group({"init_info": {}}))["status"] == "ok"
     assert engine.request("InitWeightTransferEngine").timeout_ms == 2**32 - 1
 
 
@@ -338,7 +329,7 @@ async def test_a_bad_init_timeout_is_an_error_answer(
 ) -> None:
     monkeypatch.setenv(INIT_TIMEOUT_ENV, value)
     engine = Engine()
-    answer = await _admin(engine).init_weights_update_group({"init_info": INIT_INFO})
+    answer = await rl_admin(engine).init_weights_update_group({"init_info": INIT_INFO})
     assert answer["status"] == "error" and INIT_TIMEOUT_ENV in answer["message"]
     assert engine.rpcs == []
 
@@ -347,10 +338,10 @@ async def test_destroy_is_shutdown_weight_transfer_engine() -> None:
     engine = Engine()
     for body in ({}, {"engine_rpc": "shutdown_weight_transfer_engine"}):
         engine.calls.clear()
-        answer = await _admin(engine).destroy_weights_update_group(body)
+        answer = await rl_admin(engine).destroy_weights_update_group(body)
         assert answer == {"status": "ok", "message": "Weight update group destroyed"}
         assert engine.rpcs == ["ShutdownWeightTransferEngine"]
-    answer = await _admin(engine).destroy_weights_update_group({"engine_rpc": "nope"})
+    answer = await rl_admin(engine).destroy_weights_update_group({"engine_rpc": "nope"})
     assert answer["status"] == "error" and "is not one this worker runs" in answer["message"]
 
 
@@ -361,7 +352,7 @@ async def test_destroy_is_shutdown_weight_transfer_engine() -> None:
 async def served() -> AsyncIterator[tuple[str, Engine, list[tuple[str, Any]]]]:
     """The routes on a loopback port (the admin token checked), recording each body."""
     engine = Engine()
-    admin = _admin(engine)
+    admin = rl_admin(engine)
     routes = admin.routes()
     bodies: list[tuple[str, Any]] = []
 
@@ -375,13 +366,9 @@ async def served() -> AsyncIterator[tuple[str, Engine, list[tuple[str, Any]]]]:
 
     app = web.Application()
     app.router.add_post("/engine/{name:.+}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_loopback(app)
     try:
-        yield f"http://127.0.0.1:{port}", engine, bodies
+        yield url, engine, bodies
     finally:
         await runner.cleanup()
 

@@ -8,11 +8,22 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine_contract.v1 import engine_pb2 as pb
 from harness.engine import long_sim_args
+from harness.env import importable
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from rl_client import driver
+
+# The vLLM engine server (CPU build here) behind a bridge and a Dynamo frontend.
+VLLM_STACK_MARKS = [
+    pytest.mark.dynamo,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not importable("vllm"), reason="vLLM not installed"),
+]
 
 MODEL = "tiny"
 # A second model on its own engine server whose EOS is never the likeliest token,

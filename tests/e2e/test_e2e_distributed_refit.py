@@ -22,6 +22,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,20 +33,15 @@ import pytest
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
-from harness.env import importable
 from harness.http import http_json
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from rl_client import driver
 from rl_client.refit import DynamoWeightSyncClient, RouteError
+from tests.e2e.e2e_stack import VLLM_STACK_MARKS
 
-pytestmark = [
-    pytest.mark.dynamo,
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not importable("vllm"), reason="vLLM not installed"),
-]
+pytestmark = VLLM_STACK_MARKS
 
 MODEL = "tiny-dist-refit"
 LOOPBACK = "127.0.0.1"
@@ -130,6 +126,19 @@ def version(ds: DistStack) -> Any:
     return route(ds, "get_weight_version", {})["version"]
 
 
+@contextmanager
+def serving_unchanged(ds: DistStack) -> Iterator[None]:
+    """The block leaves the weights serving as they were: the version label, and the
+    frontend's rollouts (bit for bit) and their versions."""
+    before, versions = frontend_rollouts(ds)
+    label = version(ds)
+    yield
+    assert version(ds) == label
+    after, after_versions = frontend_rollouts(ds)
+    same(after, before)
+    assert after_versions == versions
+
+
 def test_nemo_rl_refit_over_the_routes_serves_the_new_checkpoint(dist_stack: DistStack) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -169,30 +178,23 @@ def test_phases_out_of_order_and_unknown_are_errors_and_change_nothing(
     dist_stack: DistStack,
 ) -> None:
     ds = dist_stack
-    before, versions = frontend_rollouts(ds)
-    label = version(ds)
     update_info = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}
-    for body, words in (
-        ({"engine_rpc": "update_weights", "update_info": update_info}, "out of order"),
-        ({"engine_rpc": "finish_weight_update", "weight_version": "never"}, "out of order"),
-        ({"engine_rpc": "start_draft_weight_update"}, "is not one this worker runs"),
-        ({"engine_rpc": "start_weight_update", "is_checkpoint_format": False}, "not supported"),
-    ):
-        answer = route(ds, "update_weights_from_distributed", {**body, **NEMO_FLAGS})
-        assert answer["status"] == "error" and words in answer["message"], (body, answer)
-        assert "start_weight_update" in answer["message"] or "not supported" in words
-    assert version(ds) == label
-    after, after_versions = frontend_rollouts(ds)
-    same(after, before)
-    assert after_versions == versions
+    with serving_unchanged(ds):
+        for body, words in (
+            ({"engine_rpc": "update_weights", "update_info": update_info}, "out of order"),
+            ({"engine_rpc": "finish_weight_update", "weight_version": "never"}, "out of order"),
+            ({"engine_rpc": "start_draft_weight_update"}, "is not one this worker runs"),
+            ({"engine_rpc": "start_weight_update", "is_checkpoint_format": False}, "not supported"),
+        ):
+            answer = route(ds, "update_weights_from_distributed", {**body, **NEMO_FLAGS})
+            assert answer["status"] == "error" and words in answer["message"], (body, answer)
+            assert "start_weight_update" in answer["message"] or "not supported" in words
 
 
 def test_a_trainer_that_never_connects_times_out_and_the_worker_keeps_serving(
     dist_stack: DistStack,
 ) -> None:
     ds = dist_stack
-    before, versions = frontend_rollouts(ds)
-    label = version(ds)
     client = DynamoWeightSyncClient(ds.admin, timeout_s=120)
     info = {
         "master_address": LOOPBACK,
@@ -200,19 +202,16 @@ def test_a_trainer_that_never_connects_times_out_and_the_worker_keeps_serving(
         "rank_offset": 1,
         "world_size": 2,
     }
-    started = time.monotonic()
-    with pytest.raises(RouteError) as failed:
-        client.init_weight_transfer_engine(info)
-    took = time.monotonic() - started
+    with serving_unchanged(ds):
+        started = time.monotonic()
+        with pytest.raises(RouteError) as failed:
+            client.init_weight_transfer_engine(info)
+        took = time.monotonic() - started
     message = str(failed.value)
     assert f"did not finish within {INIT_TIMEOUT_S} s (DYN_RL_INIT_WEIGHTS_TIMEOUT_S)" in message
     assert "shut down" in message and "keeps serving its old weights" in message
     # The bridge's wait, then the teardown (the engine's rendezvous gives up at the
     # same deadline: the engine server gave it to the gloo init info).
     assert took < INIT_TIMEOUT_S + 12, took
-    assert version(ds) == label
-    after, after_versions = frontend_rollouts(ds)
-    same(after, before)
-    assert after_versions == versions
     answer = route(ds, "destroy_weights_update_group", {})
     assert answer["status"] == "ok", answer

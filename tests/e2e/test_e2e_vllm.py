@@ -13,19 +13,14 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.engine import load, tiny_vllm_args
-from harness.env import importable
 from harness.http import http_json, open_sse_stream
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.waits import wait_until
 from rl_client import driver
+from tests.e2e.e2e_stack import VLLM_STACK_MARKS
 
-pytestmark = [
-    pytest.mark.dynamo,
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not importable("vllm"), reason="vLLM not installed"),
-]
+pytestmark = VLLM_STACK_MARKS
 
 MODEL = "tiny-vllm"
 VLLM_ARGS = (*tiny_vllm_args(), "--max-new-tokens", "24")

@@ -23,7 +23,7 @@ import pytest
 
 from harness import ROOT
 from harness.engine import tiny_vllm_args
-from harness.env import importable
+from harness.env import ONE_MACHINE_FLAGS, importable
 from harness.http import wait_for_model
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
@@ -45,12 +45,7 @@ def nemo_rl_argv(model_dir: Path, model: str, namespace: str, transfer: str) -> 
         model,
         "--namespace",
         namespace,
-        "--discovery-backend",
-        "file",
-        "--request-plane",
-        "tcp",
-        "--event-plane",
-        "zmq",
+        *ONE_MACHINE_FLAGS,
         "--enable-rl",
         *(["--weight-transfer-config", transfer, "--trust-remote-code"] if transfer else []),
         "--seed",
@@ -132,6 +127,26 @@ def serving(stack: Stack, worker: Proc, model: str, timeout: float) -> None:
     wait_for_model(stack.base_url, model, [worker, *stack.procs], timeout)
 
 
+async def start_serving(
+    root: Path,
+    group: ProcessGroup,
+    base_model: Path,
+    model: str,
+    transfer: str,
+    *args: str,
+    timeout: float,
+) -> tuple[Stack, Proc]:
+    """A frontend, and behind it the worker from NeMo RL's command line for ``model``
+    (``transfer`` its weight-transfer config, ``args`` after it), until it serves
+    (``timeout`` seconds at the most)."""
+    stack = Stack.new(root, group, base_model, model)
+    stack.start_frontend()
+    argv = nemo_rl_argv(base_model, model, stack.namespace, transfer)
+    worker = start_worker(stack, "worker", *argv, *args)
+    await asyncio.to_thread(serving, stack, worker, model, timeout)
+    return stack, worker
+
+
 def assert_gone(pids: dict[str, int]) -> None:
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
@@ -205,21 +220,8 @@ async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
     tmp_path: Path, group: ProcessGroup, base_model: Path
 ) -> None:
     model = "tiny-worker"
-    stack = Stack.new(tmp_path, group, base_model, model, "nsworker")
-    stack.start_frontend()
-    argv = nemo_rl_argv(base_model, model, stack.namespace, "")
-    worker = start_worker(
-        stack,
-        "worker",
-        "--backend",
-        "sim",
-        *argv,
-        "--decode-step-ms",
-        "1",
-        "--stop-timeout-s",
-        "20",
-    )
-    await asyncio.to_thread(serving, stack, worker, model, 90)
+    sim = ("--backend", "sim", "--decode-step-ms", "1", "--stop-timeout-s", "20")
+    stack, worker = await start_serving(tmp_path, group, base_model, model, "", *sim, timeout=90)
     await rollouts(stack.base_url, model)
     first = children(worker.pid)
     assert first.keys() == {"engine-server", "bridge"}
@@ -272,11 +274,10 @@ async def test_vllm_worker_from_the_nemo_rl_command_line(
     tmp_path: Path, group: ProcessGroup, base_model: Path
 ) -> None:
     model = "tiny-worker-vllm"
-    stack = Stack.new(tmp_path, group, base_model, model, "nsworkervllm")
-    stack.start_frontend()
-    argv = nemo_rl_argv(base_model, model, stack.namespace, '{"backend": "gloo"}')
-    worker = start_worker(stack, "worker", *argv, *tiny_vllm_args(512))
-    await asyncio.to_thread(serving, stack, worker, model, 300)
+    gloo = '{"backend": "gloo"}'
+    stack, worker = await start_serving(
+        tmp_path, group, base_model, model, gloo, *tiny_vllm_args(512), timeout=300
+    )
     await rollouts(stack.base_url, model, timeout=120)
     kids = children(worker.pid)
     worker.signal(signal.SIGTERM)

@@ -8,28 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 
 from engine_server.backends.refit import RlCapabilities
-from engine_server.backends.sim import SimBackend
-from engine_server.config import RefitConfig, ServerConfig
+from engine_server.config import RefitConfig
 from engine_server.core import ServerCore
 from engine_server.errors import RefitTimedOut
-
-
-@asynccontextmanager
-async def sim_core(refit: RefitConfig) -> AsyncIterator[ServerCore]:
-    backend = SimBackend(decode_step_ms=0.0, eos_rate=0.0)
-    server = ServerCore(backend, ServerConfig(listen="127.0.0.1:0", refit=refit), "inst")
-    await server.start_engine()
-    try:
-        yield server
-    finally:
-        await backend.shutdown()
+from tests.unit.test_refit_control import sim_core
 
 
 def hanging_transfer(core: ServerCore, transfer_backend: str) -> tuple[list[Any], list[bool]]:
