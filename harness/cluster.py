@@ -19,6 +19,7 @@ import shutil
 import socket
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -41,7 +42,7 @@ def _b64(data: bytes) -> str:
 
 
 @dataclass
-class _Server:
+class _Server(ABC):
     """A server process of the cluster's, its data under ``data_dir``, restartable
     on the same ports and data: subclasses say how it is started (``argv``) and when
     it is up (``healthy``)."""
@@ -60,11 +61,13 @@ class _Server:
         server.run()
         return server
 
+    @abstractmethod
     def argv(self) -> list[str]:
-        raise NotImplementedError
+        """The command line that starts it."""
 
+    @abstractmethod
     def healthy(self) -> bool:
-        raise NotImplementedError
+        """Whether it answers as up."""
 
     def run(self, timeout: float = 30.0) -> None:
         self.proc = self.group.spawn(self.name, self.argv())
