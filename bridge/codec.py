@@ -18,12 +18,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Required, TypedDict
 
+from engine_contract.labels import label_problem
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client import wire
 
 ROLLOUT_KIND = "rollout"
+# The ``nvext.extra_fields`` entry that asks for a chunk's engine_data.
+ENGINE_DATA_FIELD = "engine_data"
 KNOWN_KINDS = (ROLLOUT_KIND,)
-_ROLLOUT_KEYS = frozenset({"greedy", "stop_strings", "request_id", "text"})
+_ROLLOUT_KEYS = frozenset({"greedy", "stop_strings", "request_id", "text", "weight_version"})
 
 # Dynamo's finish reasons ("cancelled" is what Dynamo calls an abort).
 _FINISH_REASONS: dict[int, str] = {
@@ -31,6 +34,8 @@ _FINISH_REASONS: dict[int, str] = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORTED: "cancelled",
     pb.FINISH_REASON_ERROR: "error",
+    # Ended early by the engine server, as an abort is (Dynamo has no other word).
+    pb.FINISH_REASON_WEIGHT_VERSION_CHANGED: "cancelled",
 }
 # The engine's own names, as the rollout wire form carries them.
 _WIRE_FINISH_REASONS: dict[int, str] = {
@@ -38,6 +43,7 @@ _WIRE_FINISH_REASONS: dict[int, str] = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORTED: "aborted",
     pb.FINISH_REASON_ERROR: "error",
+    pb.FINISH_REASON_WEIGHT_VERSION_CHANGED: wire.WEIGHT_VERSION_CHANGED,
 }
 _DTYPES: dict[int, str] = {
     pb.TENSOR_DTYPE_UINT8: "uint8",
@@ -89,6 +95,10 @@ class RolloutSpec:
     # which count an answer without text as failed. Off by default: RL drivers
     # read the tokens, and decoding costs the bridge CPU.
     text: bool = False
+    # The weight version every token must come from (contract revision 8's
+    # required_weight_version): refused by an engine serving another, ended with
+    # finish reason "weight_version_changed" when the weights change under it.
+    weight_version: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +178,25 @@ def parse_rollout_spec(text: str) -> RolloutSpec:
     text = obj.get("text", False)
     if not isinstance(text, bool):
         raise RequestError(f"rollout spec 'text' must be a boolean, got {clip(text)}")
-    return RolloutSpec(greedy=greedy, stop_strings=tuple(stops), request_id=request_id, text=text)
+    return RolloutSpec(
+        greedy=greedy,
+        stop_strings=tuple(stops),
+        request_id=request_id,
+        text=text,
+        weight_version=_weight_version(obj.get("weight_version")),
+    )
+
+
+def _weight_version(value: Any) -> str | None:
+    """A version label as the engine server takes one (``engine_contract.labels``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(f"rollout spec 'weight_version' must be a string, got {clip(value)}")
+    problem = label_problem(_text("rollout spec 'weight_version'", value))
+    if problem is not None:
+        raise RequestError(f"rollout spec 'weight_version' {problem}")
+    return value
 
 
 # ---------------------------------------------------------------------------
@@ -212,6 +240,8 @@ def build_rollout_request(
     max_tokens = stop_conditions.get("max_tokens")
     if max_tokens is not None:
         msg.max_new_tokens = _int(max_tokens, "max_tokens", minimum=0)
+    if spec.weight_version is not None:
+        msg.required_weight_version = spec.weight_version
     return msg
 
 
@@ -338,6 +368,10 @@ def build_generate_request(request_id: str, request: Mapping[str, Any]) -> pb.Ge
     output = pb.OutputOptions()
     if output_in.get("logprobs") is not None:
         output.logprobs = _int(output_in["logprobs"], "logprobs", minimum=0)
+    elif engine_data_requested(request):
+        # The token bundle always carries the sampled token's logprob (shown in
+        # the choice only when asked for: generate_chunk(logprobs=False)).
+        output.logprobs = 0
 
     return pb.GenerateRequest(
         request_id=request_id,
@@ -391,14 +425,17 @@ def _refuse_unsupported(
         raise RequestError("prompt_logprobs is not supported by this engine")
 
 
-def generate_chunk(resp: pb.GenerateResponse) -> Chunk:
-    """One Generate delta as a Dynamo chunk; the last one adds finish reason and usage."""
+def generate_chunk(resp: pb.GenerateResponse, *, logprobs: bool = True) -> Chunk:
+    """One Generate delta as a Dynamo chunk; the last one adds finish reason and usage.
+    ``logprobs=False`` leaves out logprobs the client did not ask for (the bridge
+    asked for them for the token bundle)."""
     token_ids = list(resp.token_ids)
     chunk: Chunk = {"token_ids": token_ids, "index": 0}
     if resp.logprobs:
         if len(resp.logprobs) != len(token_ids):
             raise ProtocolError(f"{len(resp.logprobs)} logprobs for {len(token_ids)} tokens")
-        chunk["log_probs"] = wire.finite_logprobs(resp.logprobs)
+        if logprobs:
+            chunk["log_probs"] = wire.finite_logprobs(resp.logprobs)
     if resp.top_logprobs:
         if len(resp.top_logprobs) != len(token_ids):
             raise ProtocolError(
@@ -420,6 +457,61 @@ def generate_chunk(resp: pb.GenerateResponse) -> Chunk:
         if engine_data:
             chunk["engine_data"] = engine_data
     return chunk
+
+
+def engine_data_requested(request: Mapping[str, Any]) -> bool:
+    """Whether the client's ``nvext.extra_fields`` names "engine_data". Dynamo's
+    preprocessor passes the client's nvext on in ``extra_args.nvext``; a request
+    built by hand may carry ``nvext`` itself."""
+    extra_args = request.get("extra_args")
+    for nvext in (
+        request.get("nvext"),
+        extra_args.get("nvext") if isinstance(extra_args, Mapping) else None,
+    ):
+        fields = nvext.get("extra_fields") if isinstance(nvext, Mapping) else None
+        if isinstance(fields, list) and ENGINE_DATA_FIELD in fields:
+            return True
+    return False
+
+
+def logprobs_requested(request: Mapping[str, Any]) -> bool:
+    output = request.get("output_options") or {}
+    return output.get("logprobs") is not None
+
+
+class TokenTrace:
+    """A completion's whole token bundle for the final chunk's ``engine_data``
+    (``rl_client.wire``'s keys, as dynamo.vllm writes them): RL clients train on
+    these exact ids and sampled logprobs, one per token, since the frontend's
+    choice may differ (EOS hidden, stop strings cut). The prompt is the one sent
+    to the engine, which runs exactly those ids."""
+
+    __slots__ = ("_aligned", "_logprobs", "_prompt", "_tokens")
+
+    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+        self._prompt = list(prompt_token_ids)
+        self._tokens: list[int] = []
+        self._logprobs: list[float] = []
+        self._aligned = True
+
+    def add(self, resp: pb.GenerateResponse) -> None:
+        """One delta (merged or not) in order; a delta without its logprobs drops
+        them from the bundle rather than misalign it."""
+        self._tokens.extend(resp.token_ids)
+        if len(resp.logprobs) == len(resp.token_ids):
+            self._logprobs.extend(wire.finite_logprobs(resp.logprobs))
+        else:
+            self._aligned = False
+
+    def engine_data(self, finish_reason: str) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            wire.PROMPT_TOKEN_IDS: list(self._prompt),
+            wire.COMPLETION_TOKEN_IDS: list(self._tokens),
+            wire.FINISHED: finish_reason in ("stop", "length"),
+        }
+        if self._aligned:
+            data[wire.COMPLETION_LOGPROBS] = list(self._logprobs)
+        return data
 
 
 def _top_logprobs(msg: pb.TopLogprobs) -> list[dict[str, Any]]:

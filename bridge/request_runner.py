@@ -31,6 +31,7 @@ from bridge.engine_link import EngineLink
 from bridge.generate_mux import PendingGenerate
 from bridge.rollout_mux import PendingRollout
 from bridge.rollout_text import RolloutText
+from engine_contract import WEIGHT_GUARD_REVISION
 from engine_contract.trace import trace_context
 from engine_contract.v1 import engine_pb2 as pb
 
@@ -168,6 +169,9 @@ class RequestRunner:
         """One Rollout: the whole answer in one chunk."""
         link = self.link
         message = codec.build_rollout_request(entry.request_id, request, spec)
+        revision = link.info.contract_revision if link.info is not None else 0
+        if message.HasField("required_weight_version") and revision < WEIGHT_GUARD_REVISION:
+            raise errors.weight_guard_unsupported(revision)
         rank = self._routed_rank(request)
         if rank is not None:
             message.data_parallel_rank = rank
@@ -195,8 +199,15 @@ class RequestRunner:
     async def _completion(
         self, client: EngineClient, entry: InFlight, request: GenerateRequest
     ) -> AsyncGenerator[codec.Chunk, None]:
-        """One Generate: its deltas as they come, through the one that finishes it."""
+        """One Generate: its deltas as they come, through the one that finishes it;
+        the last also carries the token bundle when the client asked for engine_data."""
         message = codec.build_generate_request(entry.request_id, request)
+        trace = (
+            codec.TokenTrace(message.prompt_token_ids)
+            if codec.engine_data_requested(request)
+            else None
+        )
+        show_logprobs = codec.logprobs_requested(request)
         rank = self._routed_rank(request)
         if rank is not None:
             message.data_parallel_rank = rank
@@ -209,9 +220,14 @@ class RequestRunner:
         entry.call = call
         started = time.perf_counter()
         async for response in call:
-            chunk = codec.generate_chunk(response)
+            chunk = codec.generate_chunk(response, logprobs=show_logprobs)
+            if trace is not None:
+                trace.add(response)
             if "finish_reason" in chunk:
                 metrics.HOPS["completion", streamed].observe(started)
+                if trace is not None:
+                    engine_data = chunk.setdefault("engine_data", {})
+                    engine_data.update(trace.engine_data(chunk["finish_reason"]))
                 yield chunk
                 return
             yield chunk

@@ -34,7 +34,13 @@ this file and ``v1/__init__.py`` are written by hand.
 #      init (Dynamo's DYN_RL_INIT_WEIGHTS_TIMEOUT_S), past which the server shuts
 #      the transfer engine down and answers DEADLINE_EXCEEDED, serving its old
 #      weights (an older server ignores it: only its refit deadline bounds the init).
-CONTRACT_REVISION = 7
+#   8  Version-guarded requests: RolloutRequest and GenerateRequest may name the
+#      weight version they require (required_weight_version). A server serving
+#      another label refuses them with ABORTED (retryable) before generating;
+#      one whose weights or label change under them ends them with finish reason
+#      WEIGHT_VERSION_CHANGED and the tokens so far (an older server ignores the
+#      field: clients send it only to servers of WEIGHT_GUARD_REVISION or later).
+CONTRACT_REVISION = 8
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout
@@ -45,6 +51,8 @@ ROLLOUTS_STREAM_REVISION = 2
 GENERATES_STREAM_REVISION = 4
 # The first server revision that paces Generates deltas (GenerateStart.paced).
 PACED_GENERATES_REVISION = 6
+# The first server revision that honours required_weight_version.
+WEIGHT_GUARD_REVISION = 8
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
@@ -56,4 +64,5 @@ __all__ = [
     "PACED_GENERATES_REVISION",
     "ROLLOUTS_STREAM_REVISION",
     "SERVICE_NAME",
+    "WEIGHT_GUARD_REVISION",
 ]

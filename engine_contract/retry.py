@@ -17,7 +17,9 @@ RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
         grpc.StatusCode.UNAVAILABLE,
         # The client's deadline passed; nothing says the next try would be slow.
         grpc.StatusCode.DEADLINE_EXCEEDED,
-        # The server gave up on a stream whose client stopped reading.
+        # The server gave up on a stream whose client stopped reading, a pause
+        # ended the request, or (revision 8) a version-guarded request met weights
+        # of another version: later, or on another server.
         grpc.StatusCode.ABORTED,
     }
 )

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine_contract.labels import label_problem
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.backends.base import EngineInfo, SamplingSpec
 from engine_server.config import GenerationDefaults, Limits
@@ -24,6 +25,8 @@ class Plan:
     request_id: str
     prompt_token_ids: Sequence[int]
     spec: SamplingSpec
+    # The weight version every token must come from (revision 8); None: any.
+    required_weight_version: str | None = None
 
     @property
     def generates_nothing(self) -> bool:
@@ -127,6 +130,17 @@ def data_parallel_rank(
     return rank
 
 
+def required_weight_version(request: pb.RolloutRequest | pb.GenerateRequest) -> str | None:
+    """The version a version-guarded request requires, a valid label; None: unguarded."""
+    if not request.HasField("required_weight_version"):
+        return None
+    version = request.required_weight_version
+    problem = label_problem(version)
+    if problem is not None:
+        raise InvalidRequest("required_weight_version", problem)
+    return version
+
+
 def plan_rollout(
     request: pb.RolloutRequest, info: EngineInfo, defaults: GenerationDefaults, limits: Limits
 ) -> Plan:
@@ -168,7 +182,7 @@ def plan_rollout(
         return_routed_experts=routed_experts_wanted("routed_experts", request.routed_experts, info),
         data_parallel_rank=data_parallel_rank(request, info),
     )
-    return Plan(request.request_id, prompt, spec)
+    return Plan(request.request_id, prompt, spec, required_weight_version(request))
 
 
 def _finite(field: str, value: float) -> float:
@@ -266,4 +280,4 @@ def plan_generate(request: pb.GenerateRequest, info: EngineInfo, limits: Limits)
         ),
         data_parallel_rank=data_parallel_rank(request, info),
     )
-    return Plan(request.request_id, prompt, spec)
+    return Plan(request.request_id, prompt, spec, required_weight_version(request))

@@ -37,6 +37,7 @@ from engine_server.errors import (
     InvalidRequest,
     NotReady,
     RevisionRejected,
+    WeightVersionMismatch,
 )
 from engine_server.kv_events import KvEventHub
 from engine_server.refit_control import RefitControl
@@ -78,6 +79,7 @@ class ServerCore:
             self.registry,
             idle_timeout_s=config.stream_write_timeout_s,
             config=config.refit,
+            on_weights_change=self._end_guarded,
         )
         self._serving: Serving | None = None
         self.draining = False
@@ -188,6 +190,7 @@ class ServerCore:
         arrived = time.perf_counter()
         serving = self.serving()
         plan = admission.plan_rollout(request, serving.info, serving.defaults, self.config.limits)
+        self._check_version(plan)
         self.admit()
         tracing.started("rollout", plan.request_id)
         response = pb.RolloutResponse() if into is None else into
@@ -206,6 +209,7 @@ class ServerCore:
                 response.usage.CopyFrom(_usage(plan, None, 0))
                 metrics.ROLLOUT.finished(arrived, None, response.finish_reason, response.usage)
                 return response
+            self._guard(plan, entry)
             engine_from = time.perf_counter()
             tokens = response.token_ids
             logprobs = response.logprobs
@@ -219,7 +223,7 @@ class ServerCore:
             raise EngineFailed("engine ended the request without any output")
         if len(logprobs) != len(tokens):
             raise EngineFailed(f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens")
-        self._finish(response, plan, last, len(tokens))
+        self._finish(response, plan, last, len(tokens), entry)
         response.truncated = response.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) > 0
         if plan.spec.return_routed_experts:
             response.r3_stats.CopyFrom(
@@ -239,6 +243,7 @@ class ServerCore:
         arrived = time.perf_counter()
         serving = self.serving()
         plan = admission.plan_generate(request, serving.info, self.config.limits)
+        self._check_version(plan)
         self.admit()
         tracing.started("completion", plan.request_id)
         with self.registry.track(plan.request_id) as entry:
@@ -249,6 +254,7 @@ class ServerCore:
             if entry.abort_requested:  # aborted while waiting for a paused engine
                 yield self._nothing_generated(plan, pb.FINISH_REASON_ABORTED, arrived)
                 return
+            self._guard(plan, entry)
             engine_from = time.perf_counter()
             want_logprobs = plan.spec.logprobs is not None
             want_top = bool(plan.spec.logprobs)
@@ -270,7 +276,7 @@ class ServerCore:
                             )
                     if out.finished:
                         done = message.finished
-                        self._finish(done, plan, out, completion)
+                        self._finish(done, plan, out, completion, entry)
                         metrics.GENERATE.finished(
                             arrived, engine_from, done.finish_reason, done.usage
                         )
@@ -280,6 +286,37 @@ class ServerCore:
                 # leaves the engine's stream suspended: close it now, which
                 # aborts the engine request now.
                 await outputs.aclose()
+
+    # -- version-guarded requests (revision 8) -------------------------------------
+
+    def _check_version(self, plan: admission.Plan) -> None:
+        """Refuse (retryable) a version-guarded request the weights here cannot serve."""
+        required = plan.required_weight_version
+        if required is not None and required != self.refit.version:
+            metrics.WEIGHT_VERSION_REFUSALS.inc()
+            raise WeightVersionMismatch(required, self.refit.version)
+
+    def _guard(self, plan: admission.Plan, entry: ActiveRequest) -> None:
+        """Checked again past the gate (a refit may have relabelled the weights while
+        it waited); from here a weight change ends it instead (``_end_guarded``)."""
+        self._check_version(plan)
+        entry.required_version = plan.required_weight_version
+
+    async def _end_guarded(self, version: str | None) -> None:
+        """Just before the weights change (``version`` None) or their label becomes
+        ``version``: end every version-guarded request in the engine that would get
+        tokens of another version. Each answers what it made so far, finish reason
+        WEIGHT_VERSION_CHANGED: a KEEP-mode pause would otherwise continue it on the
+        new weights. Never raises (the refit goes on whatever happens here)."""
+        for entry in self.registry.guarded():
+            if entry.weights_changed or entry.required_version == version:
+                continue
+            entry.weights_changed = True
+            metrics.ABORT_WEIGHT_CHANGE.inc()
+            try:
+                await self.backend.abort(entry.request_id)
+            except Exception as e:  # a dead engine fails the request by itself
+                log.warning("ending %s for a weight change failed: %r", entry.request_id, e)
 
     async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         target = request.WhichOneof("target")
@@ -350,8 +387,8 @@ class ServerCore:
                     finished = True
                     if out.finish_reason is FinishReason.ABORTED:
                         entry.raise_if_ended()  # a shutdown's or a pause's: retryable
-                elif entry.abort_requested:
-                    # An Abort that raced the engine's admission of the request
+                elif entry.abort_requested or entry.weights_changed:
+                    # An abort that raced the engine's admission of the request
                     # found nothing to abort; repeat it now that the engine has it.
                     await self.backend.abort(request_id)
                 yield out
@@ -376,18 +413,29 @@ class ServerCore:
         plan: admission.Plan,
         out: EngineOutput,
         completion: int,
+        entry: ActiveRequest,
     ) -> None:
         """The fields a last Generate message and a Rollout answer share."""
         reason = out.finish_reason or FinishReason.ERROR
         finished.finish_reason = codec.FINISH_REASONS[reason]
+        if reason is FinishReason.ABORTED and entry.weights_changed:
+            finished.finish_reason = pb.FINISH_REASON_WEIGHT_VERSION_CHANGED
         match = codec.stop_match(out.stop_reason) if reason is FinishReason.STOP else None
         if match is not None:
             finished.matched_stop.CopyFrom(match)
         finished.usage.CopyFrom(_usage(plan, out, completion))
         finished.instance_id = self.instance_id
         spans = out.weight_versions
-        if spans is None and completion:  # the engine keeps no spans: its current label
-            spans = [(self.refit.version, 0, completion)]
+        required = plan.required_weight_version
+        if spans is None and completion:
+            # The engine keeps no spans: its current label, or the one a guarded
+            # request required (checked at its start; a change would have ended it).
+            spans = [(required or self.refit.version, 0, completion)]
+        other = next((v for v, _, _ in spans or () if v != required), None)
+        if required is not None and other is not None:
+            # The engine's label changed past this server's refit control (a host
+            # that drives its engine itself): nothing of another version goes out.
+            raise WeightVersionMismatch(required, other, engine_changed=True)
         for version, start, end in spans or ():
             finished.weight_versions.add(version=version, start=start, end=end)
         if plan.spec.return_routed_experts and out.routed_experts is not None:

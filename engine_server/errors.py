@@ -89,6 +89,30 @@ class AbortedByPause(ServerError):
         )
 
 
+class WeightVersionMismatch(ServerError):
+    """A version-guarded request (``required_weight_version``) that the weights here
+    cannot serve: nothing of it is returned. ABORTED, the code for a test-and-set
+    that failed: retryable at a higher level, later (a refit under way) or on a
+    server that serves the version, where FAILED_PRECONDITION would say "not until
+    someone fixes the state" and UNAVAILABLE "this server is down"."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, required: str, serving: str, *, engine_changed: bool = False) -> None:
+        what = (
+            f"the engine's weights became {clip(serving)} under it (not through this "
+            "server's refit calls); nothing of it is returned"
+            if engine_changed
+            else f"this server serves {clip(serving)}; nothing was generated"
+        )
+        super().__init__(
+            f"required_weight_version: the request requires weight version {clip(required)}, "
+            f"{what}: send it again later or to a server serving that version"
+        )
+        self.required = required
+        self.serving = serving
+
+
 class RefitRefused(ServerError):
     """A refit step the engine cannot do now, or at all (the message says which)."""
 

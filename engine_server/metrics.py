@@ -93,8 +93,14 @@ ABORTS = Counter(
     "engine_server_aborts",
     "Engine requests aborted, by cause: client_cancel (a cancelled call or a stream's "
     "cancel or end), abort_rpc, drain (shutdown grace over), watchdog (a stalled "
-    "stream), pause (PauseGeneration ABORT)",
+    "stream), pause (PauseGeneration ABORT), weight_change (a version-guarded request "
+    "whose weights changed under it)",
     ["cause"],
+)
+WEIGHT_VERSION_REFUSALS = Counter(
+    "engine_server_weight_version_refusals",
+    "Version-guarded requests refused, nothing generated: the weights serving carry "
+    "another label (drivers asking for a version this server does not serve)",
 )
 KV_EVENTS = Counter("engine_server_kv_events", "KV events the engine emitted")
 KV_BATCHES = Counter("engine_server_kv_batches", "KV-event batches numbered by the hub")
@@ -122,6 +128,7 @@ ABORT_RPC = ABORTS.labels("abort_rpc")
 ABORT_DRAIN = ABORTS.labels("drain")
 ABORT_WATCHDOG = ABORTS.labels("watchdog")
 ABORT_PAUSE = ABORTS.labels("pause")
+ABORT_WEIGHT_CHANGE = ABORTS.labels("weight_change")
 
 _FINISH_NAMES = [
     (value, pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower())

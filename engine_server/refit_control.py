@@ -212,6 +212,7 @@ class RefitControl:
         on_state_change: Callable[[], object] | None = None,
         idle_timeout_s: float | None = 30.0,
         config: RefitConfig | None = None,
+        on_weights_change: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> None:
         self._backend = backend
         self._config = config or RefitConfig()
@@ -227,6 +228,9 @@ class RefitControl:
         self._changed = asyncio.Event()
         # Told when paused or asleep changes (the server's health follows sleep).
         self.on_state_change = on_state_change
+        # Awaited just before the weights (None) or their label (the new one)
+        # change: the core ends the version-guarded requests the change would alter.
+        self.on_weights_change = on_weights_change
         # A weight-transfer update between StartWeightUpdate and FinishWeightUpdate:
         # (its options, whether to reset the cache after, when it started).
         self._transfer: tuple[pb.WeightUpdateOptions, bool, float] | None = None
@@ -252,6 +256,13 @@ class RefitControl:
             weight_version=self._version,
             weight_version_declared=self.version_declared,
         )
+
+    async def _changing(self, step: Awaitable[T], version: str | None = None) -> T:
+        """``step``, which changes the weights (or sets the label ``version``), once
+        ``on_weights_change`` has ended what must not see the change."""
+        if self.on_weights_change is not None:
+            await self.on_weights_change(version)
+        return await step
 
     def _notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
@@ -369,7 +380,7 @@ class RefitControl:
         anything else, the deadline included, leaves them unknown: the server stops
         serving until restarted."""
         try:
-            return await _to_the_end(step, timeout_s)
+            return await _to_the_end(self._changing(step), timeout_s)
         except WeightUpdateError as e:
             raise InvalidRequest(field, f"{e}; the old weights still serve") from e
         except RefitUnsupported as e:
@@ -572,7 +583,7 @@ class RefitControl:
                 raise RefitRefused(refit_rules.PhaseRefusal.ALREADY_STARTED.value)
             reset = self._check_update(options)
             await self._transfer_step(
-                self._backend.start_weight_update(), "StartWeightUpdate", _SETUP
+                self._changing(self._backend.start_weight_update()), "StartWeightUpdate", _SETUP
             )
             self._transfer = (options, reset, time.monotonic())
 
@@ -580,7 +591,9 @@ class RefitControl:
         info = _json_object("update_info_json", update_info_json, arrays=True)
         async with self._lock:
             self._transfer_started()
-            await self._transfer_step(self._backend.update_weights(info), "UpdateWeights", _LOADING)
+            await self._transfer_step(
+                self._changing(self._backend.update_weights(info)), "UpdateWeights", _LOADING
+            )
 
     async def finish_weight_update(
         self, request: pb.FinishWeightUpdateRequest
@@ -665,7 +678,7 @@ class RefitControl:
     async def _set_version(self, version: str) -> None:
         _check_version("weight_version", version)
         try:
-            await self._backend.set_weight_version(version)
+            await self._changing(self._backend.set_weight_version(version), version)
         except RefitUnsupported as e:
             raise _unsupported(e) from e
         self._version = version

@@ -33,6 +33,11 @@ class ActiveRequest:
     aborted_for_shutdown: bool = False
     # Aborted by PauseGeneration(ABORT): likewise a retryable error.
     aborted_for_pause: bool = False
+    # The weight version a version-guarded request requires, set once it passed
+    # the gate and the check (revision 8): from then on a weight change ends it.
+    required_version: str | None = None
+    # Ended by such a change: it answers what it made so far (WEIGHT_VERSION_CHANGED).
+    weights_changed: bool = False
     # Set when the request has ended, whatever the reason.
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by any abort (wakes a request waiting for a paused engine).
@@ -107,6 +112,10 @@ class RequestRegistry:
                 entry.aborted_for_shutdown = True
             await self.abort(request_id)
         return len(ids)
+
+    def guarded(self) -> list[ActiveRequest]:
+        """The version-guarded requests past the gate now."""
+        return [e for e in self._active.values() if e.required_version is not None]
 
     def mark_all_for_pause(self) -> list[ActiveRequest]:
         """Every request registered now ends as aborted by a pause (the engine is

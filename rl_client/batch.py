@@ -188,6 +188,7 @@ async def generate_batch(
     max_new_tokens: int | None = None,
     concurrency: int = 64,
     num_routed_experts: int | None = None,
+    weight_version: str | None = None,
 ) -> GenerationOutput:
     """Send every prompt as a rollout (at most ``concurrency`` at once) and lay the
     results out as NeMo RL's batch output.
@@ -197,6 +198,9 @@ async def generate_batch(
     list (or None) per sample, merged by the engine with its configured ones.
     Each rollout is retried as ``client.retry`` says; if one still fails, the
     others are cancelled and the error is raised, naming the sample.
+    ``weight_version``: every rollout's tokens come from this weight version
+    (``RolloutClient.rollout``); a rollout a weight change ended has finish reason
+    "weight_version_changed" and its tokens so far (``truncated`` false).
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -219,6 +223,7 @@ async def generate_batch(
                     greedy=greedy,
                     stop_strings=(stop_strings[i] or ()) if stop_strings is not None else (),
                     max_tokens=max_new_tokens,
+                    weight_version=weight_version,
                 )
             except Exception as e:
                 e.add_note(f"(sample {i} of the batch)")

@@ -118,7 +118,10 @@ class RolloutResult:
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool
-    finish_reason: str  # "stop", "length", "aborted" or "error"
+    # "stop", "length", "aborted", "error", or "weight_version_changed" (a rollout
+    # that named its weight version, ended when the weights changed under it: the
+    # tokens so far, all of that version).
+    finish_reason: str
     stop_reason: int | str | None = None
     routed_experts: RoutedExperts | None = None
     r3_stats: dict[str, int] | None = None
@@ -160,6 +163,7 @@ def rollout_annotation(
     stop_strings: Sequence[str] = (),
     request_id: str | None = None,
     text: bool = False,
+    weight_version: str | None = None,
 ) -> str:
     spec: dict[str, Any] = {"greedy": greedy}
     if stop_strings:
@@ -168,6 +172,8 @@ def rollout_annotation(
         spec["request_id"] = request_id
     if text:
         spec["text"] = True
+    if weight_version is not None:
+        spec["weight_version"] = weight_version
     return "rollout:" + json.dumps(spec, separators=(",", ":"))
 
 
@@ -181,10 +187,13 @@ def build_rollout_body(
     request_id: str | None = None,
     worker_id: bool = False,
     text: bool = False,
+    weight_version: str | None = None,
 ) -> dict[str, Any]:
     """The /v1/completions body; stop strings go in the annotation, never in ``stop``
     (the frontend would cut the text and abort the engine on them). ``text``: also
-    answer the decoded text in ``choices[0].text``."""
+    answer the decoded text in ``choices[0].text``. ``weight_version``: the version
+    every token must come from, in the annotation too (the frontend passes
+    ``nvext.annotations`` to the worker untouched)."""
     extra_fields = ["engine_data"] + (["worker_id"] if worker_id else [])
     body: dict[str, Any] = {
         "model": model,
@@ -193,7 +202,11 @@ def build_rollout_body(
         "nvext": {
             "annotations": [
                 rollout_annotation(
-                    greedy=greedy, stop_strings=stop_strings, request_id=request_id, text=text
+                    greedy=greedy,
+                    stop_strings=stop_strings,
+                    request_id=request_id,
+                    text=text,
+                    weight_version=weight_version,
                 )
             ],
             "extra_fields": extra_fields,
@@ -330,7 +343,14 @@ class RolloutClient:
         max_tokens: int | None = None,
         request_id: str | None = None,
         worker_id: bool = False,
+        weight_version: str | None = None,
     ) -> RolloutResult:
+        """One rollout, retried as ``retry`` says. ``weight_version``: the weight
+        version (the label a refit set) every token must come from. A worker serving
+        another refuses it before generating (HTTP 503 once the frontend's
+        migrations are spent, retried like any 503: a refit under way may end, another
+        worker may serve it); one whose weights change under it (a KEEP-mode refit)
+        ends it there: finish reason "weight_version_changed", the tokens so far."""
         if max_tokens == 0:
             # The frontend refuses max_tokens 0 (HTTP 400); the answer is known anyway.
             return RolloutResult.nothing_generated(len(prompt_token_ids))
@@ -349,6 +369,7 @@ class RolloutClient:
                 max_tokens=max_tokens,
                 request_id=attempt_id,
                 worker_id=worker_id,
+                weight_version=weight_version,
             )
             try:
                 return await self._post(body)

@@ -5,7 +5,9 @@ Standard library only, so the bridge (Dynamo side) and the driver (RL side,
 without Dynamo) share one definition. The whole result sits under one key,
 ``engine_data["rollout"]``: the frontend lifts a top-level
 ``engine_data.routed_experts`` into ``nvext.routed_experts``, and nesting keeps
-the result in one piece whatever the frontend does with other keys.
+the result in one piece whatever the frontend does with other keys. An
+ordinary chat or completion that asks for ``engine_data`` gets the token bundle
+instead (``read_token_bundle``): the keys dynamo.vllm writes and NeMo-Gym reads.
 
 Floats: finite float64 values pass through JSON bit-exactly (Python writes the
 shortest round-trip repr; the frontend re-serialises with a round-trip
@@ -18,6 +20,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine_contract.dtypes import TENSOR_DTYPE_BYTES
@@ -27,6 +30,11 @@ WIRE_KEY = "rollout"
 # refuses wire 2 (it checked the version exactly): upgrade drivers with bridges.
 WIRE_VERSION = 2
 READABLE_WIRE_VERSIONS = frozenset({1, 2})
+
+# The finish reason of a rollout that named the weight version it requires and
+# was ended because the weights changed under it (contract revision 8): the
+# tokens so far, every one of that version.
+WEIGHT_VERSION_CHANGED = "weight_version_changed"
 
 # What a non-finite logprob (-inf, +inf, NaN) becomes on the wire.
 LOGPROB_FLOOR = -9999.0
@@ -59,8 +67,56 @@ WIRE_KEYS = frozenset(
 )
 
 
+# A completion's token bundle in ``engine_data`` (a chat or completion request whose
+# ``nvext.extra_fields`` names "engine_data"): dynamo.vllm's keys, which NeMo-Gym
+# reads for training instead of the OpenAI choice (whose logprobs the frontend may
+# trim, e.g. at EOS). ``finished``: the engine ended it by a stop or length.
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+COMPLETION_TOKEN_IDS = "completion_token_ids"
+COMPLETION_LOGPROBS = "completion_logprobs"
+FINISHED = "finished"
+
+
 class WireError(ValueError):
     """The wire object is malformed (a bridge/driver version mismatch or a bug)."""
+
+
+@dataclass(frozen=True)
+class TokenBundle:
+    """What the engine saw and made: its prompt, its tokens and their sampled logprobs."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    finished: bool | None
+
+
+def read_token_bundle(engine_data: Mapping[str, Any]) -> TokenBundle:
+    """The bundle in an answer's ``nvext.engine_data``, checked as NeMo-Gym checks it
+    (all three lists present, logprobs one per completion token): a partial or
+    misaligned bundle must fail here, not shift every later logprob in training."""
+    keys = (PROMPT_TOKEN_IDS, COMPLETION_TOKEN_IDS, COMPLETION_LOGPROBS)
+    missing = [k for k in keys if not isinstance(engine_data.get(k), list)]
+    if missing:
+        raise WireError(f"engine_data lacks the token bundle's {missing}")
+    prompt, completion = engine_data[PROMPT_TOKEN_IDS], engine_data[COMPLETION_TOKEN_IDS]
+    logprobs = engine_data[COMPLETION_LOGPROBS]
+    if not all(type(t) is int for t in (*prompt, *completion)):
+        raise WireError("engine_data token ids must be integers")
+    if not all(type(x) in (int, float) for x in logprobs):
+        raise WireError("engine_data completion_logprobs must be numbers")
+    if len(logprobs) != len(completion):
+        raise WireError(
+            f"engine_data has {len(logprobs)} completion_logprobs for "
+            f"{len(completion)} completion_token_ids"
+        )
+    finished = engine_data.get(FINISHED)
+    return TokenBundle(
+        list(prompt),
+        list(completion),
+        [float(x) for x in logprobs],
+        finished if isinstance(finished, bool) else None,
+    )
 
 
 def finite_logprob(value: float) -> float:

@@ -37,6 +37,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_WEIGHT_VERSION_CHANGED: _ClassVar[FinishReason]
 
 class AbortOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +74,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_WEIGHT_VERSION_CHANGED: FinishReason
 ABORT_OUTCOME_UNSPECIFIED: AbortOutcome
 ABORT_OUTCOME_ABORTED: AbortOutcome
 ABORT_OUTCOME_ALREADY_FINISHED: AbortOutcome
@@ -215,7 +217,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_requests_in_flight: _Optional[int] = ..., max_rollouts_per_stream: _Optional[int] = ..., max_starts_per_message: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_kv_subscribers: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "greedy", "stop_strings", "max_new_tokens", "routed_experts", "data_parallel_rank")
+    __slots__ = ("request_id", "prompt_token_ids", "greedy", "stop_strings", "max_new_tokens", "routed_experts", "data_parallel_rank", "required_weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,7 @@ class RolloutRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     greedy: bool
@@ -230,7 +233,8 @@ class RolloutRequest(_message.Message):
     max_new_tokens: int
     routed_experts: RoutedExpertsMode
     data_parallel_rank: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExpertsMode, str]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    required_weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExpertsMode, str]] = ..., data_parallel_rank: _Optional[int] = ..., required_weight_version: _Optional[str] = ...) -> None: ...
 
 class RolloutResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "matched_stop", "truncated", "usage", "routed_experts", "r3_stats", "instance_id", "weight_versions")
@@ -360,20 +364,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "output", "data_parallel_rank")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "output", "data_parallel_rank", "required_weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stop: StopConditions
     output: OutputOptions
     data_parallel_rank: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    required_weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ..., required_weight_version: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")

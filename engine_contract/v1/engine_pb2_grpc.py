@@ -281,10 +281,14 @@ class EngineServiceServicer:
         ("aborted by PauseGeneration"; retryable: no partial result is returned).
         WAIT: returns once the requests in flight have finished. KEEP: they freeze
         and continue after ResumeGeneration (their tokens' weight_versions say
-        which weights made which tokens). While paused, new requests wait for
-        ResumeGeneration, bounded by their own deadline. clear_cache (default true)
-        drops the prefix cache; the KV-event stream carries AllBlocksCleared at
-        once. Pausing a paused server is allowed (a stronger mode applies).
+        which weights made which tokens), except version-guarded ones (revision 8:
+        required_weight_version set), which end when the weights or their label
+        change under them, with finish reason WEIGHT_VERSION_CHANGED and what they
+        made so far. While paused, new requests wait for ResumeGeneration, bounded
+        by their own deadline (a version-guarded one is then checked again).
+        clear_cache (default true) drops the prefix cache; the KV-event stream
+        carries AllBlocksCleared at once. Pausing a paused server is allowed (a
+        stronger mode applies).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
