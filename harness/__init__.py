@@ -12,6 +12,8 @@ imports nothing, so ``harness.procs`` costs no gRPC import):
 - ``http``        the frontend over HTTP: JSON calls, raw SSE streams, load through it
 - ``engine``      an engine server over gRPC: in-process servers, load, health, KV snapshot
 - ``stack``       engine servers, bridges and a frontend started together for one test
+- ``cluster``     real etcd and NATS servers for Dynamo's cluster mode
+- ``nemo_rl``     NeMo RL's managed runtime: its worker command line and environment, its rollouts
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import pytest
 
 from harness import ROOT
 from harness.engine import tiny_vllm_args
-from harness.env import ONE_MACHINE_FLAGS, importable
+from harness.env import importable
 from harness.http import wait_for_model
-from harness.ports import free_port
+from harness.nemo_rl import GLOO, start_worker, worker_argv
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
@@ -33,43 +33,6 @@ from harness.waits import wait_until
 from rl_client import driver
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
-
-
-def nemo_rl_argv(model_dir: Path, model: str, namespace: str, transfer: str) -> list[str]:
-    """NeMo RL's managed worker command line (arguments.build_dynamo_vllm_argv), with
-    file discovery and ZMQ events for a single machine."""
-    return [
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        model,
-        "--namespace",
-        namespace,
-        *ONE_MACHINE_FLAGS,
-        "--enable-rl",
-        *(["--weight-transfer-config", transfer, "--trust-remote-code"] if transfer else []),
-        "--seed",
-        "7",
-        "--no-exclude-tools-when-tool-choice-none",
-        "--no-dyn-enable-structural-tag",
-        "--endpoint-types",
-        "completions",
-    ]
-
-
-def worker_env(stack: Stack) -> dict[str, str]:
-    """What NeMo RL's worker pool sets, over the stack's Dynamo environment."""
-    return {
-        **stack.env,
-        "DYN_SYSTEM_PORT": str(free_port()),
-        "DYN_RL_INIT_WEIGHTS_TIMEOUT_S": "60",
-        "DYN_ENABLE_EXPERIMENTAL_PARSERS_V2": "1",
-    }
-
-
-def start_worker(stack: Stack, name: str, *args: str) -> Proc:
-    argv = [sys.executable, "-m", "engine_worker", *args]
-    return stack.group.spawn(name, argv, worker_env(stack))
 
 
 def children(pid: int) -> dict[str, int]:
@@ -141,8 +104,8 @@ async def start_serving(
     (``timeout`` seconds at the most)."""
     stack = Stack.new(root, group, base_model, model)
     stack.start_frontend()
-    argv = nemo_rl_argv(base_model, model, stack.namespace, transfer)
-    worker = start_worker(stack, "worker", *argv, *args)
+    argv = worker_argv(base_model, model, stack.namespace, transfer)
+    worker = start_worker(stack, "worker", *argv, *args).proc
     await asyncio.to_thread(serving, stack, worker, model, timeout)
     return stack, worker
 
@@ -185,7 +148,7 @@ def test_the_launcher_imports_neither_side() -> None:
 
 def test_an_argument_no_side_knows_is_refused_naming_it(base_model: Path) -> None:
     argv = [
-        *nemo_rl_argv(base_model, "m", "ns", ""),
+        *worker_argv(base_model, "m", "ns", ""),
         "--disaggregation-mode",
         "prefill",
     ]
@@ -255,8 +218,8 @@ def test_the_children_end_with_a_killed_launcher(
     tmp_path: Path, group: ProcessGroup, base_model: Path
 ) -> None:
     stack = Stack.new(tmp_path, group, base_model, "tiny-orphan", "nsorphan")
-    argv = nemo_rl_argv(base_model, "tiny-orphan", stack.namespace, "")
-    worker = start_worker(stack, "worker", "--backend", "sim", *argv)
+    argv = worker_argv(base_model, "tiny-orphan", stack.namespace, "")
+    worker = start_worker(stack, "worker", "--backend", "sim", *argv).proc
     kids = wait_children(worker)
     wait_until(lambda: stack.registered_workers() >= 1, 60, "the worker registered", [worker])
     worker.kill()
@@ -274,9 +237,8 @@ async def test_vllm_worker_from_the_nemo_rl_command_line(
     tmp_path: Path, group: ProcessGroup, base_model: Path
 ) -> None:
     model = "tiny-worker-vllm"
-    gloo = '{"backend": "gloo"}'
     stack, worker = await start_serving(
-        tmp_path, group, base_model, model, gloo, *tiny_vllm_args(512), timeout=300
+        tmp_path, group, base_model, model, GLOO, *tiny_vllm_args(512), timeout=300
     )
     await rollouts(stack.base_url, model, timeout=120)
     kids = children(worker.pid)
