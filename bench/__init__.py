@@ -9,10 +9,14 @@ its own table:
 - ``large_rollout``      3. one 16k-token rollout with routed experts: bytes and time
 - ``kv_events``          4. KV events through the relay: sustained rate, latency
 - ``vllm_stack``         5. the vLLM engine server through the stack vs AsyncLLM
+- ``refit``              6. the refit cycle: streamed, gloo and disk updates' MB/s
+- ``streaming``          7. streamed completions through Dynamo's frontend
+- ``aiperf_compare``     8. parts 1 and 7 measured by aiperf
 
 Shared: ``context`` (options, model, prompts, processes), ``measure``
 (interleaved repetitions, CPU time by process role), ``stats`` (closed-loop
 load, medians), ``report`` (markdown). Programs the parts start:
 ``inprocess_engine`` (the one-process worker, on ``local_engine``),
-``kv_source`` / ``kv_worker`` (part 4), ``vllm_direct`` (part 5).
+``kv_source`` / ``kv_worker`` (part 4), ``vllm_direct`` (part 5),
+``gloo_trainer`` (part 6's trainer; its checkpoints from ``refit_checkpoints``).
 """

@@ -15,7 +15,8 @@
 5. The vLLM engine server (CPU, tiny model) through the whole stack next to
    ``AsyncLLM`` called directly (``bench/vllm_stack.py``).
 6. The refit cycle: pause -> update -> resume, weights streamed over TCP and a
-   unix socket next to loaded from disk (``bench/refit.py``).
+   unix socket and sent by a trainer over vLLM's weight transfer (``gloo``),
+   next to loaded from disk (``bench/refit.py``).
 7. Streamed completions through Dynamo's frontend at concurrency 1/16/64, one
    process against two, with time to first token (``bench/streaming.py``).
 8. Parts 1 and 7's comparison measured by aiperf, Dynamo's own benchmark client

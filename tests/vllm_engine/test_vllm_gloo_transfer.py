@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.packed_tensor import (
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server import weight_transfer_gloo as gloo
 from engine_server.weight_transfer_gloo import (
     GlooTrainerInitInfo,
     GlooTrainerWeightTransferEngine,
@@ -187,6 +188,53 @@ def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
         trainer.shutdown()
         for worker in workers:
             worker.shutdown()
+
+
+def test_runs_coalesce_small_neighbours_and_send_large_tensors_alone() -> None:
+    big = gloo.COALESCE_BYTES
+    sizes = [10, big, 5, 5, big + 1, 0, big // 2, big // 2 + 1]
+    assert [list(r) for r in gloo.runs(sizes)] == [[0], [1], [2, 3], [4], [5, 6], [7]]
+
+
+def test_large_tensors_travel_alone_and_load_while_the_rest_arrives(
+    groups_in_one_process: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors over ``COALESCE_BYTES`` go straight from the trainer's memory, one
+    broadcast each, and the worker loads every ``LOAD_BYTES`` within a chunk."""
+    monkeypatch.setattr(gloo, "LOAD_BYTES", 3 << 20)
+    generator = torch.Generator().manual_seed(5)
+    tensors = {
+        "embed.weight": torch.randn(1024, 512, generator=generator),  # 2 MiB
+        "layers.0.norm": torch.randn(512, generator=generator),
+        "layers.0.proj": torch.randn(512, 1024, generator=generator).t(),  # not contiguous
+        "layers.0.bias": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "layers.1.proj": torch.randn(768, 512, generator=generator),  # 1.5 MiB
+        "head.weight": torch.randn(1024, 512, generator=generator),
+    }
+    worker = worker_engine()
+    init = GlooTrainerInitInfo(
+        master_address=LOOPBACK,
+        master_port=free_port(),
+        world_size=2,
+        rank=0,
+        packed_num_buffers=1,
+        timeout_s=20,
+    )
+    trainer = GlooTrainerWeightTransferEngine.trainer_init(
+        init, client=FanOutClient([worker]), source=ListSource(tensors)
+    )
+    try:
+        trainer.send_weights()
+        model = worker.model
+        assert isinstance(model, Receiver)
+        for name, tensor in tensors.items():
+            assert torch.equal(model.loaded[name], tensor), name
+        # One chunk (1 GB buffers) of 7.5 MiB: loaded once 3 MiB had arrived
+        # (embed, norm, proj), then the rest at its end; not in one piece.
+        assert model.calls == 2, model.calls
+    finally:
+        trainer.shutdown()
+        worker.shutdown()
 
 
 def test_packing_sent_per_round_as_older_trainers_send_it(groups_in_one_process: None) -> None:
