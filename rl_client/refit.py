@@ -1,4 +1,4 @@
-"""The trainer's side of the refit cycle: pause every worker, update, resume.
+"""The trainer's side of the refit cycle: every worker on the new weights, or none.
 
 Two ways in, the same cycle and the same report:
 
@@ -18,145 +18,475 @@ For vLLM's trainer-side weight-transfer engines (NCCL; ``gloo`` on CPUs), two
 gRPC) and ``DynamoWeightSyncClient`` (a worker's RL routes, called as NeMo RL
 calls them).
 
-A step pauses all workers (concurrently), updates all, and resumes those whose
-update succeeded. A worker whose update failed stays paused on its old weights
-(resuming it would serve the old policy as if new): ``RefitError`` says which
-and why; ``resume()`` lets it serve again once the trainer decides. No Dynamo
-import here: trainers install only the ``driver`` extra.
+A step is all or nothing across the fleet (docs/refit.md, "Refit across a
+fleet"), so that rollouts never mix two policies: pause every worker, load the
+new weights on all at once, and only once every load succeeded label them with
+the version, publish it (``store``: ``rl_client.committed``) and resume.
+Otherwise every worker that was sent the weights goes back to the fleet's
+committed ones (the checkpoint reloaded, or the trainer's previous tensors sent
+again) under its old version, and resumes; one that cannot go back is taken out
+of the router's pool (asleep: health NOT_SERVING, which its bridge follows)
+rather than serve a third version. ``RefitError`` carries the report: each
+worker's outcome, its timings, and why. No Dynamo import here: trainers install
+only the ``driver`` extra.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 import grpc
+from grpc_health.v1 import health_pb2
 
+from engine_contract.labels import label_problem
 from engine_contract.refit_rules import pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.admin_token import AdminToken
+from rl_client.committed import (
+    CheckpointSource,
+    CommittedRecord,
+    CommittedStore,
+    CommittedWeights,
+    PushedSource,
+    WeightSource,
+)
 from rl_client.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
 from rl_client.tls import TlsOptions
 
 T = TypeVar("T")
 
 
+class Outcome(enum.Enum):
+    """Where a worker ended after a fleet refit."""
+
+    UPDATED = "updated"
+    ROLLED_BACK = "rolled back"
+    # Never sent the new weights: the refit stopped at the pause.
+    UNCHANGED = "unchanged"
+    # Could not be brought back, nor taken out of the pool: paused, serving nothing.
+    ROLLBACK_FAILED = "failed to roll back"
+    # Could not be brought back; out of the router's pool (asleep, or its engine
+    # server not serving or not answering, which its bridge follows).
+    REMOVED = "removed"
+
+
+class Health(enum.Enum):
+    """A worker's engine as its bridge sees it: anything but SERVING takes the worker
+    out of the router's pool (``bridge/engine_watch.py``)."""
+
+    SERVING = "serving"
+    NOT_SERVING = "not serving"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long one worker may take per step, in seconds (None: no limit).
+
+    Past it the call is cancelled and the worker counts as failed. Its engine may
+    still finish the step (an engine server never stops a load half way), which
+    is why such a worker is sent the rollback too: the engine server runs it
+    after, under its refit lock. Loads have no limit by default (a large
+    checkpoint loads for its time, a WAIT pause lasts until the rollouts in
+    flight end); labelling, resuming, health and sleep get ``control_s``."""
+
+    pause_s: float | None = None
+    update_s: float | None = None
+    rollback_s: float | None = None
+    control_s: float | None = 30.0
+
+
+_STAGES = ("pause", "update", "label", "rollback", "resume")
+
+
 @dataclass
 class WorkerRefit:
-    """What one worker did in one refit step."""
+    """What one worker did in one fleet refit."""
 
     worker: str
+    outcome: Outcome = Outcome.UNCHANGED
+    # The version it serves after the step (None: removed, or not known).
     version: str | None = None
-    paused_s: float = 0.0
+    pause_s: float = 0.0
     update_s: float = 0.0
+    label_s: float = 0.0
+    rollback_s: float = 0.0  # the rollback, and taking the worker out when it failed
+    resume_s: float = 0.0
     resumed: bool = False
+    # Its first failure and where: "pause", "update", "label" or "resume".
     error: str | None = None
-    # Where it failed: "pause" (not paused, old weights), "update" (paused on its
-    # old weights), or "resume" (the new weights loaded, not serving yet).
     stage: str = ""
+    # Why it could not be brought back to the committed weights.
+    rollback_error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and self.rollback_error is None
+
+    def _failed(self, stage: str, message: str) -> None:
+        if stage == "rollback":
+            self.rollback_error = message
+        elif self.error is None:
+            self.error, self.stage = message, stage
+
+    def describe(self) -> str:
+        took = ", ".join(
+            f"{stage} {getattr(self, f'{stage}_s'):.3f} s"
+            for stage in _STAGES
+            if getattr(self, f"{stage}_s")
+        )
+        line = (
+            f"{self.worker}: {self.outcome.value}, serving {self.version!r} ({took or 'no call'})"
+        )
+        if self.error is not None:
+            line += f"; {self.stage} failed: {self.error}"
+        if self.rollback_error is not None:
+            line += f"; rollback failed: {self.rollback_error}"
+        return line
 
 
 @dataclass
 class RefitReport:
+    """One fleet refit: ``committed`` when every worker took ``version``; otherwise
+    every worker went back to ``previous`` (or out of the pool, says its outcome)."""
+
     version: str
     workers: list[WorkerRefit] = field(default_factory=list)
     seconds: float = 0.0
+    previous: str | None = None
+    committed: bool = False
+    # Why the record could not be written to the store (the refit then failed).
+    publish_error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return all(w.ok for w in self.workers)
+        return self.committed and all(w.resumed for w in self.workers)
 
     @property
     def failed(self) -> list[WorkerRefit]:
         return [w for w in self.workers if not w.ok]
 
+    def outcomes(self) -> dict[str, Outcome]:
+        return {w.worker: w.outcome for w in self.workers}
+
+    def describe(self) -> str:
+        return "\n".join(f"  {w.describe()}" for w in self.workers)
+
 
 class RefitError(RuntimeError):
-    """Some workers did not take the new weights (they stay paused); ``report``
-    has every worker's outcome."""
+    """The refit did not commit on every worker (or some did not resume after it
+    committed); ``report`` has every worker's outcome, timings and error."""
 
     def __init__(self, report: RefitReport) -> None:
-        lines = "; ".join(f"{w.worker} ({w.stage}): {w.error}" for w in report.failed)
-        super().__init__(
-            f"refit to {report.version!r} failed on {len(report.failed)} of "
-            f"{len(report.workers)} workers: {lines}"
-        )
+        n, total = len(report.failed), len(report.workers)
+        if report.committed:
+            head = f"refit to {report.version!r} committed, but {n} of {total} workers failed"
+        else:
+            head = (
+                f"refit to {report.version!r} failed, so no worker serves it (back on "
+                f"{report.previous!r}); {n} of {total} workers failed"
+            )
+        why = [f"{w.worker} ({w.stage}): {w.error}" for w in report.workers if w.error]
+        if report.publish_error is not None:
+            why.append(f"publishing the committed version: {report.publish_error}")
+        super().__init__(f"{head}: {'; '.join(why)}\n{report.describe()}")
         self.report = report
 
 
-class _Cycle:
-    """The step's choreography, whatever carries the calls."""
+class _Unanswered(Exception):
+    """Some workers did not say what they serve before the refit (nothing was sent)."""
 
-    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
-        raise NotImplementedError
+    def __init__(self, errors: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{w}: {e}" for w, e in errors.items()))
+        self.errors = errors
 
-    async def _resume(self, worker: str) -> None:
-        raise NotImplementedError
+
+@dataclass(frozen=True)
+class _Previous:
+    """What one worker goes back to when the refit fails."""
+
+    version: str
+    source: WeightSource
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e) or type(e).__name__
+
+
+async def _each(
+    entries: Iterable[WorkerRefit],
+    stage: str,
+    limit: float | None,
+    step: Callable[[WorkerRefit], Awaitable[None]],
+) -> None:
+    """Run ``step`` on every entry at once, each within ``limit``; its time and any
+    failure are written into the entry."""
+
+    async def guarded(entry: WorkerRefit) -> None:
+        started = time.monotonic()
+        timer = asyncio.timeout(limit)
+        try:
+            async with timer:
+                await step(entry)
+        except TimeoutError as e:
+            if timer.expired():
+                entry._failed(stage, f"did not answer within its {stage} deadline of {limit:g} s")
+            else:
+                entry._failed(stage, _why(e))
+        except Exception as e:
+            entry._failed(stage, _why(e))
+        finally:
+            elapsed = time.monotonic() - started
+            setattr(entry, f"{stage}_s", getattr(entry, f"{stage}_s") + elapsed)
+
+    await asyncio.gather(*(guarded(e) for e in entries))
+
+
+class _Cycle(ABC):
+    """The fleet refit's choreography, whatever carries the calls."""
+
+    def __init__(
+        self,
+        committed: CommittedWeights | None,
+        store: CommittedStore | None,
+        deadlines: Deadlines | None,
+    ) -> None:
+        # What the whole fleet serves: what a failed refit goes back to. Learnt
+        # from each committed refit; None: from the store, else the start state.
+        self.committed = committed
+        self.store = store
+        self.deadlines = deadlines or Deadlines()
+        self._one_at_a_time = asyncio.Lock()
+
+    # -- what each transport does -------------------------------------------
+
+    @abstractmethod
+    def _fleet(self) -> list[str]: ...
+
+    @abstractmethod
+    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None: ...
+
+    @abstractmethod
+    async def _resume(self, worker: str) -> None: ...
+
+    @abstractmethod
+    async def _load(self, worker: str, source: WeightSource) -> None:
+        """Load ``source``'s weights, the version label left as it is."""
+
+    @abstractmethod
+    async def _label(self, worker: str, version: str) -> None: ...
+
+    @abstractmethod
+    async def _health(self, worker: str) -> Health: ...
+
+    @abstractmethod
+    async def _sleep(self, worker: str) -> None:
+        """Out of the router's pool: asleep, its engine server says NOT_SERVING."""
+
+    @abstractmethod
+    def _loads(self, source: WeightSource) -> bool:
+        """Whether this transport can load ``source``'s weights."""
+
+    @abstractmethod
+    async def _start_state(self) -> dict[str, _Previous]:
+        """What each worker was started on, when no refit is known to have
+        changed it; ValueError when that cannot be known, ``_Unanswered`` naming
+        the workers that did not say."""
+
+    # -- the cycle --------------------------------------------------------------
+
+    async def _plan(self) -> dict[str, _Previous]:
+        """What each worker goes back to if the refit fails, known before any call:
+        the fleet's committed weights (this client's last refit, ``committed=``,
+        or the store's record), else what the workers were started on."""
+        committed = self.committed
+        if committed is None and self.store is not None:
+            record = await asyncio.to_thread(self.store.read)
+            committed = record.weights if record is not None else None
+        if committed is None:
+            return await self._start_state()
+        if not committed.resendable or not self._loads(committed.source):
+            raise ValueError(
+                f"the fleet serves {committed.version!r} ({committed.source}), which this "
+                "client cannot load again, so it could not undo a failed refit: give "
+                "committed= with weights it can load (a CheckpointSource, or PushedSource "
+                "with the tensors)"
+            )
+        return {w: _Previous(committed.version, committed.source) for w in self._fleet()}
 
     async def _run(
-        self,
-        workers: Sequence[str],
-        version: str,
-        mode: str,
-        clear_cache: bool,
-        update: Callable[[str], Awaitable[str | None]],
+        self, version: str, source: WeightSource, mode: str, clear_cache: bool
     ) -> RefitReport:
         pause_mode(mode)  # ValueError naming the modes, before any call
-        started = time.monotonic()
-        report = RefitReport(version, [WorkerRefit(w) for w in workers])
+        problem = label_problem(version)
+        if problem is not None:
+            raise ValueError(f"version {version!r}: {problem}")
+        async with self._one_at_a_time:
+            started = time.monotonic()
+            try:
+                plan = await self._plan()
+            except _Unanswered as e:  # stopped before the pause: nothing changed
+                report = RefitReport(version, [WorkerRefit(w) for w in self._fleet()])
+                for entry in report.workers:
+                    if entry.worker in e.errors:
+                        entry._failed("pause", e.errors[entry.worker])
+                report.seconds = time.monotonic() - started
+                raise RefitError(report) from None
+            previous = {p.version for p in plan.values()}
+            report = RefitReport(
+                version,
+                [WorkerRefit(w, version=plan[w].version) for w in self._fleet()],
+                previous=previous.pop() if len(previous) == 1 else None,
+            )
+            await self._commit_or_roll_back(report, source, plan, mode, clear_cache)
+            staying = [
+                w
+                for w in report.workers
+                if w.outcome not in (Outcome.REMOVED, Outcome.ROLLBACK_FAILED)
+            ]
 
-        async def pause(entry: WorkerRefit) -> None:
-            t0 = time.monotonic()
-            await self._pause(entry.worker, mode, clear_cache)
-            entry.paused_s = time.monotonic() - t0
+            async def resume(entry: WorkerRefit) -> None:
+                await self._resume(entry.worker)
+                entry.resumed = True
 
-        async def load(entry: WorkerRefit) -> None:
-            t0 = time.monotonic()
-            entry.version = await update(entry.worker)
-            entry.update_s = time.monotonic() - t0
-
-        await _each(report.workers, pause, "pause")
-        await _each([w for w in report.workers if w.ok], load, "update")
-        ready = [w for w in report.workers if w.ok]
-
-        async def resume(entry: WorkerRefit) -> None:
-            await self._resume(entry.worker)
-            entry.resumed = True
-
-        await _each(ready, resume, "resume")
-        report.seconds = time.monotonic() - started
+            await _each(staying, "resume", self.deadlines.control_s, resume)
+            report.seconds = time.monotonic() - started
         if not report.ok:
             raise RefitError(report)
         return report
 
+    async def _commit_or_roll_back(
+        self,
+        report: RefitReport,
+        source: WeightSource,
+        plan: dict[str, _Previous],
+        mode: str,
+        clear_cache: bool,
+    ) -> None:
+        entries, limits = report.workers, self.deadlines
 
-async def _each(
-    entries: Iterable[WorkerRefit], step: Callable[[WorkerRefit], Awaitable[None]], stage: str
-) -> None:
-    """Run ``step`` on every entry at once; a failure is written into the entry."""
+        def all_ok() -> bool:
+            return all(w.ok for w in entries)
 
-    async def guarded(entry: WorkerRefit) -> None:
+        async def pause(entry: WorkerRefit) -> None:
+            await self._pause(entry.worker, mode, clear_cache)
+
+        async def load(entry: WorkerRefit) -> None:
+            await self._load(entry.worker, source)
+
+        async def label(entry: WorkerRefit) -> None:
+            await self._label(entry.worker, report.version)
+
+        await _each(entries, "pause", limits.pause_s, pause)
+        if not all_ok():  # nothing was sent: every worker keeps its weights
+            return
+        await _each(entries, "update", limits.update_s, load)
+        labelled = all_ok()
+        if labelled:
+            await _each(entries, "label", limits.control_s, label)
+        weights = CommittedWeights(report.version, source)
+        published = False
+        if all_ok():
+            published = await self._publish(report, weights)
+            if published:
+                report.committed = True
+                self.committed = weights
+                for entry in entries:
+                    entry.outcome, entry.version = Outcome.UPDATED, report.version
+                return
+        await self._roll_back(entries, plan, relabel=labelled)
+
+    async def _publish(self, report: RefitReport, weights: CommittedWeights) -> bool:
+        """The commit point: the record says the new version, or the refit fails
+        (the record then holds what it held before)."""
+        store = self.store
+        if store is None:
+            return True
         try:
-            await step(entry)
-        except grpc.aio.AioRpcError as e:
-            entry.error, entry.stage = f"{e.code().name}: {e.details()}", stage
+            before = await asyncio.to_thread(store.read)
+        except ValueError:
+            before = None  # an unreadable record: replaced, or removed on failure
         except Exception as e:
-            entry.error, entry.stage = str(e) or type(e).__name__, stage
+            report.publish_error = f"reading the record before writing it: {_why(e)}"
+            return False
+        record = CommittedRecord.now(weights, self._fleet())
+        try:
+            await asyncio.to_thread(store.publish, record)
+            return True
+        except Exception as e:
+            report.publish_error = _why(e)
+        try:  # it may have been written all the same: put back what was there
+            if before is None:
+                await asyncio.to_thread(store.delete)
+            else:
+                await asyncio.to_thread(store.publish, before)
+        except Exception as e:
+            report.publish_error += f"; restoring the previous record failed too: {_why(e)}"
+        return False
 
-    await asyncio.gather(*(guarded(e) for e in entries))
+    async def _roll_back(
+        self, entries: list[WorkerRefit], plan: dict[str, _Previous], *, relabel: bool
+    ) -> None:
+        """Every worker back to the committed weights under its old version; one that
+        cannot go back leaves the router's pool."""
+
+        async def back(entry: WorkerRefit) -> None:
+            previous = plan[entry.worker]
+            await self._load(entry.worker, previous.source)
+            if relabel:
+                await self._label(entry.worker, previous.version)
+
+        await _each(entries, "rollback", self.deadlines.rollback_s, back)
+        for entry in entries:
+            if entry.rollback_error is None:
+                entry.outcome = Outcome.ROLLED_BACK
+                entry.version = plan[entry.worker].version
+        await asyncio.gather(*(self._remove(e) for e in entries if e.rollback_error is not None))
+
+    async def _remove(self, entry: WorkerRefit) -> None:
+        """Out of the pool a worker that could not be brought back: its engine
+        server already says NOT_SERVING (its weights unknown) or does not answer, or
+        it is put to sleep now; the bridge follows its health and leaves."""
+        started = time.monotonic()
+        limit = self.deadlines.control_s
+        try:
+            async with asyncio.timeout(limit):
+                health = await self._health(entry.worker)
+        except Exception:
+            health = Health.UNREACHABLE
+        if health is Health.SERVING:
+            try:
+                async with asyncio.timeout(limit):
+                    await self._sleep(entry.worker)
+                health = Health.NOT_SERVING
+            except Exception as e:
+                message = (
+                    f"did not go to sleep within {limit:g} s"
+                    if isinstance(e, TimeoutError)
+                    else _why(e)
+                )
+                entry.rollback_error = f"{entry.rollback_error}; taking it out failed: {message}"
+        entry.rollback_s += time.monotonic() - started
+        entry.version = None
+        if health is Health.SERVING:
+            entry.outcome = Outcome.ROLLBACK_FAILED
+        else:
+            entry.outcome = Outcome.REMOVED
+            entry.rollback_error = f"{entry.rollback_error}; out of the pool ({health.value})"
 
 
 class RouteError(RuntimeError):
@@ -168,7 +498,11 @@ class RefitClient(_Cycle):
 
     ``admin_token``: the workers' token; None (the default) reads it from the
     environment as a bridge does (``AdminToken.from_env``), and sends none when
-    neither variable is set."""
+    neither variable is set. The routes load checkpoints only, and cannot tell
+    which one a worker started on: a failed refit goes back to ``committed``
+    (the checkpoint the fleet serves), else the ``store``'s record, else this
+    client's last committed refit; with none of them ``refit`` refuses before
+    any call. ``deadlines``: per worker and step (``Deadlines``)."""
 
     def __init__(
         self,
@@ -177,9 +511,13 @@ class RefitClient(_Cycle):
         session: aiohttp.ClientSession | None = None,
         timeout_s: float | None = None,
         admin_token: str | AdminToken | None = None,
+        committed: CommittedWeights | None = None,
+        store: CommittedStore | None = None,
+        deadlines: Deadlines | None = None,
     ) -> None:
         if not worker_urls:
             raise ValueError("no worker URLs")
+        super().__init__(committed, store, deadlines)
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         if isinstance(admin_token, str):
             admin_token = AdminToken(admin_token, "the admin_token argument")
@@ -201,10 +539,7 @@ class RefitClient(_Cycle):
             await self._session.close()
             self._session = None
 
-    async def call(
-        self, worker: str, route: str, body: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """One route of one worker; RouteError unless it answered ``status: ok``."""
+    async def _post(self, worker: str, route: str, body: dict[str, Any] | None) -> tuple[int, Any]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         async with self._session.post(
@@ -214,14 +549,23 @@ class RefitClient(_Cycle):
             headers=self._headers,
         ) as resp:
             try:
-                answer = await resp.json(content_type=None)
+                return resp.status, await resp.json(content_type=None)
             except ValueError:
-                answer = None
-            if resp.status != 200 or not isinstance(answer, dict):
-                raise RouteError(f"{route}: HTTP {resp.status}: {answer!r}")
-            if answer.get("status") != "ok":
-                raise RouteError(f"{route}: {answer.get('message', answer)}")
-            return answer
+                return resp.status, None
+
+    async def call(
+        self, worker: str, route: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One route of one worker; RouteError unless it answered ``status: ok``."""
+        status, answer = await self._post(worker, route, body)
+        if status != 200 or not isinstance(answer, dict):
+            raise RouteError(f"{route}: HTTP {status}: {answer!r}")
+        if answer.get("status") != "ok":
+            raise RouteError(f"{route}: {answer.get('message', answer)}")
+        return answer
+
+    def _fleet(self) -> list[str]:
+        return self.worker_urls
 
     async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
         await self.call(worker, "pause_generation", {"mode": mode, "clear_cache": clear_cache})
@@ -229,21 +573,49 @@ class RefitClient(_Cycle):
     async def _resume(self, worker: str) -> None:
         await self.call(worker, "resume_generation")
 
+    async def _load(self, worker: str, source: WeightSource) -> None:
+        if not isinstance(source, CheckpointSource):
+            raise RouteError(
+                "the RL routes load checkpoints only; stream tensors over the contract"
+            )
+        await self.call(worker, "update_weights_from_disk", {"model_path": source.path})
+
+    async def _label(self, worker: str, version: str) -> None:
+        await self.call(worker, "set_weight_version", {"weight_version": version})
+
+    async def _health(self, worker: str) -> Health:
+        """The bridge's own view (``liveness_probe``): its engine server serving."""
+        try:
+            status, answer = await self._post(worker, "liveness_probe", None)
+        except (aiohttp.ClientError, OSError):
+            return Health.UNREACHABLE
+        if status == 200 and isinstance(answer, dict):
+            if answer.get("status") == "ok":
+                return Health.SERVING
+            if answer.get("alive") is False:
+                return Health.NOT_SERVING
+        raise RouteError(f"liveness_probe: HTTP {status}: {answer!r}")
+
+    async def _sleep(self, worker: str) -> None:
+        await self.call(worker, "control/sleep", {"level": 1})
+
+    def _loads(self, source: WeightSource) -> bool:
+        return isinstance(source, CheckpointSource)
+
+    async def _start_state(self) -> dict[str, _Previous]:
+        raise ValueError(
+            "RefitClient cannot undo a failed refit without knowing the checkpoint the "
+            "fleet serves now: give committed=CommittedWeights(version, "
+            "CheckpointSource(path)), or a store= holding the fleet's record"
+        )
+
     async def refit(
         self, model_path: str, version: str, *, mode: str = "wait", clear_cache: bool = True
     ) -> RefitReport:
-        """Pause (``mode``: wait for rollouts in flight, abort them, or keep them
-        frozen), load ``model_path`` as ``version``, resume."""
-
-        async def update(worker: str) -> str | None:
-            answer = await self.call(
-                worker,
-                "update_weights_from_disk",
-                {"model_path": model_path, "weight_version": version},
-            )
-            return answer.get("version")
-
-        return await self._run(self.worker_urls, version, mode, clear_cache, update)
+        """Pause every worker (``mode``: wait for rollouts in flight, abort them, or
+        keep them frozen), load ``model_path`` on all, and label them ``version``
+        and resume once all loaded; otherwise all go back (``RefitError``)."""
+        return await self._run(version, CheckpointSource(model_path), mode, clear_cache)
 
     async def resume(self, workers: Sequence[str] | None = None) -> None:
         await asyncio.gather(*(self._resume(w) for w in workers or self.worker_urls))
@@ -260,7 +632,11 @@ class EngineRefitClient(_Cycle):
 
     ``tls``: TLS to the engine servers, as the bridge's ``--engine-tls-*`` options
     (a CA, and a client certificate and key for an mTLS engine server); None:
-    plaintext. Open it inside the event loop that uses it."""
+    plaintext. Open it inside the event loop that uses it. A failed refit goes
+    back to ``committed``, else the ``store``'s record, else this client's last
+    committed refit (streamed weights: it keeps the tensors, which must stay
+    unchanged), else the checkpoint each engine server started on when none has
+    had a version set since. ``deadlines``: per worker and step."""
 
     def __init__(
         self,
@@ -268,9 +644,13 @@ class EngineRefitClient(_Cycle):
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: TlsOptions | None = None,
+        committed: CommittedWeights | None = None,
+        store: CommittedStore | None = None,
+        deadlines: Deadlines | None = None,
     ) -> None:
         if not engine_addresses:
             raise ValueError("no engine server addresses")
+        super().__init__(committed, store, deadlines)
         self._engines = {
             a: RefitRpc.connect(a, tls=tls, max_message_bytes=max_message_bytes)
             for a in engine_addresses
@@ -286,6 +666,9 @@ class EngineRefitClient(_Cycle):
     async def close(self) -> None:
         await asyncio.gather(*(engine.close() for engine in self._engines.values()))
 
+    def _fleet(self) -> list[str]:
+        return list(self._engines)
+
     async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
         await self._engines[worker].pause_generation(
             pb.PauseGenerationRequest(mode=pause_mode(mode), clear_cache=clear_cache)
@@ -293,6 +676,81 @@ class EngineRefitClient(_Cycle):
 
     async def _resume(self, worker: str) -> None:
         await self._engines[worker].resume_generation()
+
+    async def _load(self, worker: str, source: WeightSource) -> None:
+        engine = self._engines[worker]
+        if isinstance(source, CheckpointSource):
+            await engine.update_weights_from_path(
+                pb.UpdateWeightsFromPathRequest(path=source.path, options=pb.WeightUpdateOptions())
+            )
+        elif source.tensors is not None:
+            requests = update_requests(source.tensors, chunk_bytes=self._chunk_bytes)
+            await engine.update_weights_from_tensors(requests)
+        else:
+            raise ValueError("weights pushed by a trainer, with no copy of the tensors")
+
+    async def _label(self, worker: str, version: str) -> None:
+        await self._engines[worker].update_weight_version(
+            pb.UpdateWeightVersionRequest(weight_version=version)
+        )
+
+    async def _health(self, worker: str) -> Health:
+        try:
+            status = await self._engines[worker].health()
+        except grpc.aio.AioRpcError:
+            return Health.UNREACHABLE
+        return (
+            Health.SERVING
+            if status == health_pb2.HealthCheckResponse.SERVING
+            else (Health.NOT_SERVING)
+        )
+
+    async def _sleep(self, worker: str) -> None:
+        await self._engines[worker].sleep(pb.SleepRequest(level=1, mode=pb.PAUSE_MODE_ABORT))
+
+    def _loads(self, source: WeightSource) -> bool:
+        return True
+
+    async def _start_state(self) -> dict[str, _Previous]:
+        limit = self.deadlines.control_s
+
+        async def one(worker: str) -> _Previous:
+            try:
+                async with asyncio.timeout(limit):
+                    info = await self._engines[worker].server_info()
+            except TimeoutError:
+                raise _Unanswered({worker: f"did not answer within {limit:g} s"}) from None
+            except grpc.aio.AioRpcError as e:
+                raise _Unanswered({worker: _why(e)}) from None
+            state = info.refit_state
+            why = (
+                f"serves version {state.weight_version!r} set by a refit this client did not make"
+                if state.weight_version_declared
+                else "names no checkpoint it started on"
+                if not info.model_path
+                else ""
+            )
+            if why:
+                raise ValueError(
+                    f"engine server {worker} {why}, so a failed refit could not be undone: "
+                    "give committed=CommittedWeights(version, source), or a store= holding "
+                    "the fleet's record"
+                )
+            return _Previous(state.weight_version, CheckpointSource(info.model_path))
+
+        workers = self._fleet()
+        states = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
+        unanswered: dict[str, str] = {}
+        for state in states:
+            if isinstance(state, ValueError):
+                raise state
+            if isinstance(state, _Unanswered):
+                unanswered |= state.errors
+            elif isinstance(state, BaseException):
+                raise state
+        if unanswered:
+            raise _Unanswered(unanswered)
+        return {w: s for w, s in zip(workers, states, strict=True) if isinstance(s, _Previous)}
 
     async def refit(
         self,
@@ -303,30 +761,51 @@ class EngineRefitClient(_Cycle):
         mode: str = "wait",
         clear_cache: bool = True,
     ) -> RefitReport:
-        """Pause, load ``tensors`` (streamed to every server) or ``path`` as
-        ``version``, resume."""
+        """Pause every engine server, load ``tensors`` (streamed to each) or
+        ``path`` on all, and label them ``version`` and resume once all loaded;
+        otherwise all go back (``RefitError``). Streamed tensors are kept (not
+        copied) as what the next failed refit goes back to."""
         if (tensors is None) == (path is None):
             raise ValueError("give either tensors or path")
-
-        async def update(worker: str) -> str | None:
-            engine = self._engines[worker]
-            if tensors is not None:
-                requests = update_requests(
-                    tensors, weight_version=version, chunk_bytes=self._chunk_bytes
-                )
-                streamed = await engine.update_weights_from_tensors(requests)
-                return str(streamed.result.weight_version)
-            loaded = await engine.update_weights_from_path(
-                pb.UpdateWeightsFromPathRequest(
-                    path=path, options=pb.WeightUpdateOptions(weight_version=version)
-                )
-            )
-            return str(loaded.result.weight_version)
-
-        return await self._run(list(self._engines), version, mode, clear_cache, update)
+        source: WeightSource = CheckpointSource(path) if path is not None else PushedSource(tensors)
+        return await self._run(version, source, mode, clear_cache)
 
     async def resume(self, workers: Sequence[str] | None = None) -> None:
         await asyncio.gather(*(self._resume(w) for w in workers or list(self._engines)))
+
+    @property
+    def engines(self) -> list[str]:
+        """The engine servers' addresses, as given."""
+        return list(self._engines)
+
+    async def restore(self, worker: str, *, mode: str = "abort") -> bool:
+        """Put one engine server that lags the fleet (restarted: it serves its start
+        weights) back on the committed weights: pause (``mode``: what it runs now
+        runs on other weights), load, label, resume. Under the lock every refit of
+        this client takes, so it never interleaves with one, and checked again
+        there: False when the engine serves the committed version already (a refit
+        brought it there meanwhile). ValueError when nothing is committed, or the
+        committed weights cannot be sent again (``CommittedWeights.resendable``)."""
+        async with self._one_at_a_time:
+            committed = self.committed
+            if committed is None or not committed.resendable:
+                raise ValueError(
+                    f"no committed weights this client can send again ({committed}): "
+                    "refit first, or give committed= with the tensors or a checkpoint"
+                )
+            engine, limits = self._engines[worker], self.deadlines
+            async with asyncio.timeout(limits.control_s):
+                serving = await engine.get_weight_version()
+            if serving.declared and serving.weight_version == committed.version:
+                return False
+            async with asyncio.timeout(limits.pause_s):
+                await self._pause(worker, mode, clear_cache=True)
+            async with asyncio.timeout(limits.update_s):
+                await self._load(worker, committed.source)
+            async with asyncio.timeout(limits.control_s):
+                await self._label(worker, committed.version)
+                await self._resume(worker)
+            return True
 
 
 class ContractWeightSyncClient:

@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Iterable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from rl_client.tls import TlsOptions, aio_channel
@@ -44,6 +46,7 @@ class RefitRpc:
         self._stub = stub
         self.timeout_s = timeout_s
         self._channel = channel
+        self._health = health_pb2_grpc.HealthStub(channel) if channel is not None else None
 
     @classmethod
     def connect(
@@ -68,6 +71,28 @@ class RefitRpc:
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()
+
+    # -- what the server is and whether it serves -------------------------------
+
+    async def server_info(
+        self, request: pb.GetServerInfoRequest | None = None
+    ) -> pb.GetServerInfoResponse:
+        """Its info: the checkpoint it started on (``model_path``), its refit state."""
+        return await self._stub.GetServerInfo(
+            pb.GetServerInfoRequest() if request is None else request, timeout=self.timeout_s
+        )
+
+    async def health(self) -> int:
+        """The gRPC health status of the contract's service (``HealthCheckResponse``'s
+        values): NOT_SERVING while asleep, draining, or its weights unknown. Needs the
+        channel (``connect``, or ``channel=``)."""
+        if self._health is None:
+            raise RuntimeError("health needs the channel: RefitRpc.connect, or channel=")
+        answer = await self._health.Check(
+            health_pb2.HealthCheckRequest(service=engine_contract.SERVICE_NAME),
+            timeout=self.timeout_s,
+        )
+        return int(answer.status)
 
     # -- pause and resume -------------------------------------------------------
 

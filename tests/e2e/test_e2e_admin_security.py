@@ -26,6 +26,7 @@ from harness.ports import free_port, free_system_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
 from harness.waits import wait_until
+from rl_client.committed import CheckpointSource, CommittedWeights
 from rl_client.refit import RefitClient
 
 pytestmark = pytest.mark.dynamo
@@ -145,7 +146,9 @@ async def test_refit_client_with_the_token_runs_a_refit(
 ) -> None:
     s = admin_stack
     monkeypatch.setenv("BRIDGE_ADMIN_TOKEN_FILE", str(s.token_file))
-    async with RefitClient([s.admin]) as trainer:  # the token read as a bridge reads it
+    start = CommittedWeights("default", CheckpointSource(str(s.stack.model_dir)))
+    # The token read as a bridge reads it.
+    async with RefitClient([s.admin], committed=start) as trainer:
         report = await trainer.refit(str(s.stack.model_dir), "sec-1", mode="wait")
         assert report.ok and report.workers[0].version == "sec-1" and report.workers[0].resumed
         assert await trainer.versions() == {s.admin: "sec-1"}

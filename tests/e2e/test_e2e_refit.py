@@ -35,7 +35,8 @@ from harness.procs import ProcessGroup
 from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
 from rl_client import driver
-from rl_client.refit import RefitClient, RefitError
+from rl_client.committed import CheckpointSource, CommittedWeights
+from rl_client.refit import Outcome, RefitClient, RefitError
 
 pytestmark = pytest.mark.dynamo
 
@@ -278,7 +279,8 @@ async def test_refit_serves_exactly_what_an_engine_started_on_b_serves(
     probe = prompt_of(64, 99)  # cached too; asked of the router alone after the refit
     await rollouts(rs, [probe])
     assert await asyncio.to_thread(router_hit_rate, rs, probe) > 0.5
-    async with RefitClient([rs.admin]) as trainer:
+    start = CommittedWeights("a", CheckpointSource(str(rs.stack.model_dir)))
+    async with RefitClient([rs.admin], committed=start) as trainer:
         report = await trainer.refit(str(rs.weights_b), "2", mode="wait", clear_cache=True)
         assert report.ok and report.workers[0].version == "2" and report.workers[0].resumed
         # The router forgot this worker's blocks when the pause cleared the cache
@@ -302,12 +304,20 @@ async def test_refit_serves_exactly_what_an_engine_started_on_b_serves(
             assert result.weight_versions == [("2", 0, len(result.token_ids))]
             assert result.weight_version == "2"
         assert (await trainer.versions()) == {rs.admin: "2"}
-        # A refit that fails on a worker leaves it paused and says why.
+        # A refit that fails says why, and the worker goes back to the committed
+        # weights and version, and serves again exactly as before.
         with pytest.raises(RefitError) as failed:
             await trainer.refit("/nonexistent/checkpoint", "3")
-        assert "does not exist" in str(failed.value) and not failed.value.report.workers[0].resumed
-        assert engine_load(rs).refit_state.paused
-        await trainer.resume()
+        (worker,) = failed.value.report.workers
+        assert "does not exist" in str(failed.value) and worker.stage == "update"
+        assert worker.outcome is Outcome.ROLLED_BACK and worker.resumed and worker.version == "2"
+        assert not engine_load(rs).refit_state.paused
+        assert (await trainer.versions()) == {rs.admin: "2"}
+        again = await rollouts(rs, prompts[1:2])
+        assert (again[0].token_ids, again[0].logprobs) == (
+            results[1].token_ids,
+            results[1].logprobs,
+        )
         # Back to A for the other tests.
         await trainer.refit(str(rs.stack.model_dir), "a")
 
