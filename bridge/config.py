@@ -194,6 +194,11 @@ class BridgeConfig:
     event_plane: str | None = None
     # The bearer token every system-port path but the probes needs (None: open).
     admin_token: AdminToken | None = None
+    # Register (and rejoin after an engine restart) only once the engine serves
+    # the fleet's committed weights, when a trainer published them (bridge.catch_up).
+    # On from the command line (--catch-up, its default); off for a config built in
+    # code, which may name no reachable store (etcd is the default backend).
+    catch_up: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_address:
@@ -313,6 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(DYN_SYSTEM_PORT); the bridge then fronts the port and passes every other "
         "path to Dynamo's own system server.",
     )
+    add_negatable_bool_argument(
+        g,
+        flag_name="--catch-up",
+        env_var="BRIDGE_CATCH_UP",
+        default=True,
+        help="Before registering, and after every engine server restart, read the "
+        "fleet's committed weights (the record a trainer's fleet refit publishes in the "
+        "discovery store, rl_client.committed) and stay out of the router's pool until "
+        "the engine serves them: a committed checkpoint the bridge loads itself, weights "
+        "the trainer pushed are awaited (its keeper pushes them). Without a record the "
+        "worker registers at once. --no-catch-up: register whatever the engine serves.",
+    )
     add_argument(
         g,
         flag_name="--admin-token-file",
@@ -428,6 +445,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         request_plane=str(runtime.request_plane),
         event_plane=runtime.event_plane,
         admin_token=admin_token,
+        catch_up=args.catch_up,
     )
     worker = WorkerConfig.from_runtime_config(
         runtime,

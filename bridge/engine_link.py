@@ -5,7 +5,10 @@ bridge knows of it (its info and instance, the transports it allows, whether it
 fits what the worker registered with Dynamo) is kept in one place and updated by
 one sequence, the same at start and after every change the watch or the KV
 stream reports. A server the worker cannot serve is refused: out of the router's
-pool, loudly, until a fitting one is back.
+pool, loudly, until a fitting one is back. A server that lacks the fleet's
+committed weights (started, or restarted, mid-training) is held out the same
+way until it has them (``bridge.catch_up``): before the worker registers at
+all, and again after every restart.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from collections.abc import Callable
 import grpc
 
 import engine_contract
-from bridge import metrics
+from bridge import catch_up, metrics
 from bridge.client import EngineClient, IncompatibleServerError, check_compatible
 from bridge.config import BridgeConfig
 from bridge.engine_watch import EngineWatch
 from bridge.registration import Registration
 from bridge.swap import unfollowable_changes
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client.committed import CommittedStore
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,17 @@ class EngineLink:
         self.unservable: str | None = None
         self.stream_rollouts = False
         self.stream_generates = False
+        # Why the worker stays out of the pool until its engine server serves the
+        # fleet's committed weights, while it catches up (None: it may serve).
+        self.held: str | None = None
+        self._store = (
+            catch_up.committed_store_for(
+                config.namespace, config.component, config.discovery_backend
+            )
+            if config.catch_up
+            else None
+        )
+        self._catching_up: asyncio.Task[None] | None = None
         self._registered: pb.GetServerInfoResponse | None = None
         self._watch: EngineWatch | None = None
         self._refreshing: asyncio.Task[None] | None = None
@@ -63,16 +78,18 @@ class EngineLink:
 
     @property
     def serving(self) -> bool:
-        """False while the server is wedged, gone or refused: fail requests fast."""
+        """False while the server is wedged, gone, refused or catching up: fail
+        requests fast (migratable)."""
         watch = self._watch
-        return self.unservable is None and (watch is None or watch.serving)
+        return self.unservable is None and self.held is None and (watch is None or watch.serving)
 
     async def start(
         self, worker_id: int, on_stalled: Callable[[], None]
     ) -> pb.GetServerInfoResponse:
         """Connect, wait for the server, watch its health (``on_stalled``: it stopped
         answering for the stall timeout) and adopt it; raises EngineNotReadyError or
-        IncompatibleServerError. Returns the info the worker registers."""
+        IncompatibleServerError. Returns the info the worker registers, once its
+        engine serves the fleet's committed weights (``bridge.catch_up``)."""
         cfg = self.config
         metrics.REGISTRY.register(self._server_info)
         log.info(
@@ -110,6 +127,9 @@ class EngineLink:
             rollouts,
             completions,
         )
+        if self._store is not None:
+            self._begin_catch_up()
+            await self._caught_up()
         return info
 
     def _adopt(self, client: EngineClient, info: pb.GetServerInfoResponse) -> None:
@@ -172,7 +192,7 @@ class EngineLink:
         if serving:
             metrics.RECONNECTS.inc()
             await self._refresh_info()  # maybe another instance: adapt, or stay out
-            if self.unservable is None:
+            if self.unservable is None and self.held is None:
                 await self.registration.rejoin(reason)
         else:
             await self.registration.leave(reason)
@@ -206,6 +226,8 @@ class EngineLink:
                     "cannot follow that; restart the bridge to register it"
                 )
             self._adopt(client, info)
+            if info.instance_id != old.instance_id:
+                self._begin_catch_up()  # a restarted engine serves its start weights
         except grpc.aio.AioRpcError:
             return  # not answering (yet): the watch will tell
         except IncompatibleServerError as e:
@@ -230,6 +252,57 @@ class EngineLink:
             # the watch would not tell.
             await self.registration.rejoin(f"a fitting engine server is back at {client.address}")
 
+    # -- catch-up before serving ---------------------------------------------------
+
+    def _begin_catch_up(self) -> None:
+        """Hold the worker out of the pool until the engine server now at our address
+        serves the committed weights; a catch-up for an earlier instance gives way."""
+        store, client = self._store, self.client
+        if store is None or client is None:
+            return
+        previous = self._catching_up
+        if previous is not None:
+            previous.cancel()
+        self.held = "catching up with the fleet's committed weights"
+        metrics.CATCHING_UP.set(1)
+        self._catching_up = asyncio.ensure_future(self._catch_up(store, client, previous))
+
+    async def _catch_up(
+        self,
+        store: CommittedStore,
+        client: EngineClient,
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        if previous is not None:  # its last call ends before ours starts
+            await asyncio.gather(previous, return_exceptions=True)
+        gate = catch_up.CatchUp(
+            store, client.refit, control_timeout_s=self.config.client.control_timeout_s
+        )
+
+        async def hold(why: str) -> None:
+            await self.registration.leave(f"catching up: {why}")
+
+        result = await gate.run(on_hold=hold)
+        self.held = None
+        metrics.CATCHING_UP.set(0)
+        catch_up.observe(result)
+        if self.serving:
+            # Shielded: a newer catch-up's leave must find the pool as this left it.
+            await asyncio.shield(
+                self.registration.rejoin(
+                    f"the engine server serves the committed weights {result.version!r}"
+                )
+            )
+
+    async def _caught_up(self) -> None:
+        """Until the current catch-up has finished (a newer one replaces it when the
+        engine server restarts meanwhile); raises what it raised."""
+        while (task := self._catching_up) is not None:
+            await asyncio.wait({task})
+            if self._catching_up in (task, None):
+                task.result()
+                return
+
     async def _refuse(self, why: str) -> None:
         if self.unservable != why:
             log.error("%s; out of the router's pool", why)
@@ -248,10 +321,11 @@ class EngineLink:
         """No more re-reads or health reactions (the worker is shutting down)."""
         with contextlib.suppress(KeyError):
             metrics.REGISTRY.unregister(self._server_info)
-        refreshing, self._refreshing = self._refreshing, None
-        if refreshing is not None:
-            refreshing.cancel()
-            await asyncio.gather(refreshing, return_exceptions=True)
+        for task in (self._refreshing, self._catching_up):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._refreshing = self._catching_up = None
         watch, self._watch = self._watch, None
         if watch is not None:
             await watch.stop()

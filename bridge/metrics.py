@@ -97,6 +97,25 @@ KV_SNAPSHOTS = Counter(
     registry=REGISTRY,
 )
 
+# A catch-up: from a checkpoint's milliseconds to a trainer's step.
+CATCH_UP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+CATCH_UP_SECONDS = Histogram(
+    "bridge_catch_up_seconds",
+    "How long the worker stayed out of the router's pool (at the bridge's start, or after "
+    "an engine server restart) until its engine served the fleet's committed weights, by "
+    "where they come from (checkpoint: loaded by the bridge; pushed: by the trainer's "
+    "keeper); only with a committed record",
+    ["source"],
+    buckets=CATCH_UP_BUCKETS,
+    registry=REGISTRY,
+)
+CATCHING_UP = Gauge(
+    "bridge_catching_up",
+    "1 while the worker stays out of the router's pool until its engine serves the "
+    "committed weights",
+    registry=REGISTRY,
+)
+
 
 class Hop:
     """One kind and transport's latency child; ``observe(started)`` per request."""

@@ -5,9 +5,12 @@ The stack is the real one: a vLLM engine server (CPU, the tiny model), a
 bridge, a Dynamo frontend. The engine server starts paused (``--start-paused``)
 and waits for the trainer's weights, so that whatever engine serves (the first
 one, or one restarted after a crash) generates with the trainer's current
-policy only. A keeper task watches the engine's weight version and pushes the
-current weights whenever it differs (a restarted engine reports its initial
-"default"); the step's own refit goes through the same lock.
+policy only. Each step's refit publishes the committed version in the discovery
+store (``rl_client.committed``: pushed by the trainer), so the bridge keeps a
+restarted engine out of the router's pool until it serves it
+(``bridge/catch_up.py``), and the trainer's keeper (``rl_client.keeper``)
+pushes it the current weights (a restarted engine reports its initial
+"default"), under the same lock as the step's refit.
 
 Per step: B prompts x K samples as rollouts (the driver client, sampled with the
 server's generation config); provenance (every token's weight version is the
@@ -29,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from engine_contract.tensors import Tensor
@@ -37,9 +39,10 @@ from harness.engine import load, tiny_vllm_args
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import Stack
+from rl_client.committed import committed_store
 from rl_client.driver import RetryPolicy, RolloutClient, RolloutResult
+from rl_client.keeper import WeightKeeper
 from rl_client.refit import EngineRefitClient
-from rl_client.refit_rpc import RefitRpc
 from train_demo.grpo import (
     Task,
     group_advantages,
@@ -174,60 +177,12 @@ async def held_by_the_engine(address: str, rollouts: asyncio.Future[Any]) -> int
     return 0
 
 
-class WeightKeeper:
-    """Keeps the engine on the trainer's current weights (see the module docs)."""
-
-    def __init__(self, address: str, interval_s: float = 0.25) -> None:
-        self.address = address
-        self.interval_s = interval_s
-        self.refit = EngineRefitClient([address])
-        self.lock = asyncio.Lock()
-        self.version = ""
-        self.tensors: list[Tensor] = []
-        self.pushes = 0
-        # Asks which weights the engine serves (a restarted one serves its checkpoint's).
-        self._engine = RefitRpc.connect(address, timeout_s=1)
-        self._task: asyncio.Task[None] | None = None
-
-    async def set(self, version: str, tensors: list[Tensor]) -> float:
-        """Stream ``tensors`` as ``version`` (pause, update, resume); seconds taken."""
-        async with self.lock:
-            started = time.monotonic()
-            await self.refit.refit(version, tensors=tensors, mode="wait")
-            self.version, self.tensors = version, tensors
-            return time.monotonic() - started
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._watch(), name="weight-keeper")
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            if not self.version:
-                continue
-            try:
-                answer = await self._engine.get_weight_version()
-            except grpc.aio.AioRpcError:
-                continue  # down or starting: asked again shortly
-            if answer.weight_version == self.version or self.lock.locked():
-                continue
-            log.warning(
-                "engine serves weights %r, the trainer's are %r (restarted?): pushing them",
-                answer.weight_version,
-                self.version,
-            )
-            try:
-                await self.set(self.version, self.tensors)
-                self.pushes += 1
-            except Exception as e:  # the engine went again: retried on the next tick
-                log.warning("pushing the weights failed: %s", e)
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await self.refit.close()
-        await self._engine.close()
+async def push(trainer: EngineRefitClient, version: str, tensors: list[Tensor]) -> float:
+    """Stream ``tensors`` as ``version`` (pause, update, label, publish, resume);
+    seconds taken."""
+    started = time.monotonic()
+    await trainer.refit(version, tensors=tensors, mode="wait")
+    return time.monotonic() - started
 
 
 async def generate(
@@ -268,14 +223,16 @@ async def run(
     with ProcessGroup(root / "logs") as group:
         policy = PolicyStack(root, group, model_dir)
         await asyncio.to_thread(policy.start)
-        keeper = WeightKeeper(policy.listen)
+        store = committed_store(policy.stack.namespace, env=policy.stack.env)
+        trainer = EngineRefitClient([policy.listen], store=store)
+        keeper = WeightKeeper(trainer)
         retry = RetryPolicy(attempts=200, initial_s=0.25, max_s=1.0)
         client = RolloutClient(policy.stack.base_url, MODEL, timeout_s=300, retry=retry)
         try:
-            await keeper.set("0", policy_tensors(model))  # and the engine resumes
+            version = "0"
+            await push(trainer, version, policy_tensors(model))  # and the engine resumes
             keeper.start()
             for step in range(1, config.steps + 1):
-                version = keeper.version
                 prompts = [
                     [rng.randrange(3, 1000) for _ in range(task.prompt_length)]
                     for _ in range(task.prompts_per_step)
@@ -309,9 +266,10 @@ async def run(
                 optimizer.step()
                 train_s = time.monotonic() - started
 
-                refit_s = await keeper.set(str(step), policy_tensors(model))
+                version = str(step)
+                refit_s = await push(trainer, version, policy_tensors(model))
                 probe = await client.rollout(PROBE, greedy=True, max_tokens=task.max_tokens)
-                check_provenance([probe], str(step))
+                check_provenance([probe], version)
                 stats = StepStats(
                     step=step,
                     reward=sum(rewards) / len(rewards),
@@ -330,5 +288,6 @@ async def run(
         finally:
             await client.close()
             await keeper.close()
+            await trainer.close()
     cfg = asdict(config)
     return RunResult(cfg, steps)

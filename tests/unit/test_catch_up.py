@@ -1,0 +1,289 @@
+"""The catch-up gate's decisions (``bridge/catch_up.py``): what a bridge does with an
+engine server given the fleet's committed record, and the loop that acts on them,
+against a scripted engine and store (no gRPC, no Dynamo). The real processes are
+tests/faults/test_faults_catch_up.py; the bridge's link, tests/bridge/test_bridge_catch_up.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from bridge import catch_up
+from bridge.catch_up import Action, CatchUp, Outcome, decide
+from engine_contract.v1 import engine_pb2 as pb
+from harness.waits import wait_until_async
+from rl_client.committed import CheckpointSource, CommittedRecord, CommittedWeights, PushedSource
+
+CKPT = "/ckpt/step-7"
+
+
+def record(
+    version: str = "7", source: CheckpointSource | PushedSource | None = None
+) -> CommittedRecord:
+    return CommittedRecord(CommittedWeights(version, source or CheckpointSource(CKPT)))
+
+
+def state(
+    version: str = "default",
+    declared: bool = False,
+    *,
+    paused: bool = False,
+    sleeping: bool = False,
+) -> pb.RefitState:
+    return pb.RefitState(
+        weight_version=version,
+        weight_version_declared=declared,
+        paused=paused,
+        sleeping=sleeping,
+    )
+
+
+# -- decide ---------------------------------------------------------------------------
+
+
+def test_no_record_registers_as_ever() -> None:
+    decision = decide(None, state())
+    assert decision.action is Action.REGISTER and decision.committed is None
+
+
+def test_an_engine_on_the_committed_version_registers() -> None:
+    decision = decide(record(), state("7", declared=True, paused=True))
+    assert decision.action is Action.CURRENT
+    assert decision.committed == CommittedWeights("7", CheckpointSource(CKPT))
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        state(),  # restarted: its start checkpoint
+        state("6", declared=True),  # an older refit's
+        state("7", declared=False),  # the committed label, never set: its start weights
+    ],
+    ids=["initial", "older", "same label undeclared"],
+)
+def test_a_committed_checkpoint_the_engine_lacks_is_loaded(engine: pb.RefitState) -> None:
+    decision = decide(record(), engine)
+    assert decision.action is Action.LOAD
+    assert CKPT in decision.why and "'7'" in decision.why
+
+
+def test_pushed_weights_are_waited_for() -> None:
+    decision = decide(record(source=PushedSource()), state())
+    assert decision.action is Action.WAIT and "keeper" in decision.why
+
+
+def test_an_engine_asleep_is_not_loaded() -> None:
+    decision = decide(record(), state(sleeping=True))
+    assert decision.action is Action.WAIT and "asleep" in decision.why
+
+
+# -- the loop -------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    """Records as the store would hand them, one per read (the last one repeats);
+    an exception instance is raised instead."""
+
+    answers: list[CommittedRecord | Exception | None]
+    reads: int = 0
+
+    def read(self) -> CommittedRecord | None:
+        answer = self.answers[min(self.reads, len(self.answers) - 1)]
+        self.reads += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def publish(self, record: CommittedRecord) -> None:
+        self.answers = [record]
+
+    def delete(self) -> None:
+        self.answers = [None]
+
+
+def refused(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+
+
+@dataclass
+class Engine:
+    """An engine server's refit state and the calls the gate makes, in order."""
+
+    state: pb.RefitState = field(default_factory=state)
+    calls: list[str] = field(default_factory=list)
+    # Loads to refuse before one succeeds; what to run during the next load.
+    refuse_loads: int = 0
+    during_load: Callable[[], None] | None = None
+    # Called on each server_info: a trainer acting meanwhile.
+    on_info: Callable[[Engine], None] | None = None
+
+    async def server_info(
+        self, request: pb.GetServerInfoRequest | None = None
+    ) -> pb.GetServerInfoResponse:
+        self.calls.append("info")
+        if self.on_info is not None:
+            self.on_info(self)
+        return pb.GetServerInfoResponse(instance_id="i", refit_state=self.state)
+
+    async def pause_generation(
+        self, request: pb.PauseGenerationRequest
+    ) -> pb.PauseGenerationResponse:
+        self.calls.append(f"pause {pb.PauseMode.Name(request.mode)}")
+        self.state.paused = True
+        return pb.PauseGenerationResponse()
+
+    async def update_weights_from_path(
+        self, request: pb.UpdateWeightsFromPathRequest
+    ) -> pb.UpdateWeightsFromPathResponse:
+        self.calls.append(f"load {request.path} as {request.options.weight_version}")
+        if not self.state.paused:
+            raise refused("not paused")
+        if self.refuse_loads:
+            self.refuse_loads -= 1
+            raise refused(f"{request.path}: no such folder")
+        if self.during_load is not None:
+            during, self.during_load = self.during_load, None
+            during()
+        self.state.weight_version = request.options.weight_version
+        self.state.weight_version_declared = True
+        return pb.UpdateWeightsFromPathResponse()
+
+    async def resume_generation(
+        self, request: pb.ResumeGenerationRequest | None = None
+    ) -> pb.ResumeGenerationResponse:
+        self.calls.append("resume")
+        self.state.paused = False
+        return pb.ResumeGenerationResponse(resumed=True)
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("POLL_FIRST_S", "POLL_MAX_S", "RETRY_FIRST_S", "RETRY_MAX_S"):
+        monkeypatch.setattr(catch_up, name, 0.001)
+
+
+async def run(store: Store, engine: Engine) -> tuple[catch_up.Result, list[str]]:
+    holds: list[str] = []
+
+    async def hold(why: str) -> None:
+        holds.append(why)
+
+    result = await asyncio.wait_for(CatchUp(store, engine).run(on_hold=hold), 10)
+    return result, holds
+
+
+async def test_without_a_record_nothing_is_called_and_nothing_held() -> None:
+    engine = Engine(state(paused=True))
+    result, holds = await run(Store([None]), engine)
+    assert (result.outcome, result.version, result.source) == (Outcome.NO_RECORD, None, None)
+    assert engine.calls == ["info"] and holds == []
+    assert engine.state.paused  # a trainer's first refit resumes it, as before
+
+
+async def test_a_paused_restart_loads_the_checkpoint_then_resumes() -> None:
+    engine = Engine(state(paused=True))  # --start-paused
+    result, holds = await run(Store([record()]), engine)
+    assert (result.outcome, result.version, result.source) == (Outcome.LOADED, "7", "checkpoint")
+    assert engine.calls == ["info", f"load {CKPT} as 7", "info", "resume"]
+    assert len(holds) == 1 and CKPT in holds[0]
+    assert (engine.state.weight_version, engine.state.paused) == ("7", False)
+
+
+async def test_an_engine_that_runs_is_paused_with_abort_first() -> None:
+    engine = Engine(state("6", declared=True))
+    result, _ = await run(Store([record()]), engine)
+    assert result.outcome is Outcome.LOADED
+    assert engine.calls[:3] == ["info", "pause PAUSE_MODE_ABORT", f"load {CKPT} as 7"]
+    assert engine.calls[-1] == "resume"
+
+
+async def test_an_engine_on_the_committed_version_is_left_as_it_is() -> None:
+    # Paused by a trainer's refit, say: not the gate's to resume.
+    engine = Engine(state("7", declared=True, paused=True))
+    result, holds = await run(Store([record()]), engine)
+    assert result.outcome is Outcome.CURRENT
+    assert engine.calls == ["info"] and holds == [] and engine.state.paused
+
+
+async def test_a_refit_that_commits_during_the_load_is_followed() -> None:
+    store = Store([record()])
+    engine = Engine(state(paused=True))
+    engine.during_load = lambda: store.publish(record("8", CheckpointSource("/ckpt/step-8")))
+    result, holds = await run(store, engine)
+    assert (result.outcome, result.version) == (Outcome.LOADED, "8")
+    loads = [c for c in engine.calls if c.startswith("load")]
+    assert loads == [f"load {CKPT} as 7", "load /ckpt/step-8 as 8"]
+    assert engine.calls[-1] == "resume" and len(holds) == 1
+
+
+async def test_a_refused_load_is_retried_out_of_the_pool() -> None:
+    engine = Engine(state(paused=True), refuse_loads=2)
+    result, holds = await run(Store([record()]), engine)
+    assert result.outcome is Outcome.LOADED
+    assert [c for c in engine.calls if c.startswith("load")] == [f"load {CKPT} as 7"] * 3
+    assert engine.calls[-1] == "resume" and len(holds) == 1
+
+
+async def test_an_unreadable_record_holds_the_worker_until_it_reads() -> None:
+    store = Store(
+        [ValueError("the committed-weights record is not JSON"), ConnectionError(), record()]
+    )
+    engine = Engine(state(paused=True))
+    result, _ = await run(store, engine)
+    assert result.outcome is Outcome.LOADED and store.reads >= 3
+    # The failed reads asked the engine nothing, and loaded nothing.
+    assert engine.calls == ["info", f"load {CKPT} as 7", "info", "resume"]
+
+
+async def test_pushed_weights_are_awaited_without_a_call_but_info() -> None:
+    polls = 0
+
+    def trainer(engine: Engine) -> None:
+        nonlocal polls
+        polls += 1
+        if polls == 5:  # the keeper's push: loaded, labelled, resumed
+            engine.state.weight_version, engine.state.weight_version_declared = "7", True
+            engine.state.paused = False
+
+    engine = Engine(state(paused=True), on_info=trainer)
+    result, holds = await run(Store([record(source=PushedSource())]), engine)
+    assert (result.outcome, result.version, result.source) == (Outcome.PUSHED, "7", "pushed")
+    assert engine.calls == ["info"] * 5
+    assert len(holds) == 1 and "keeper" in holds[0]
+
+
+async def test_an_engine_that_does_not_answer_is_asked_again() -> None:
+    answers = iter([refused("starting"), None])
+
+    def flaky(engine: Engine) -> None:
+        failure = next(answers, None)
+        if failure is not None:
+            raise failure
+
+    engine = Engine(state("7", declared=True), on_info=flaky)
+    result, _ = await run(Store([record()]), engine)
+    assert result.outcome is Outcome.CURRENT and engine.calls == ["info", "info"]
+
+
+async def test_cancelled_while_waiting_ends_at_once() -> None:
+    engine = Engine(state(paused=True))
+    task = asyncio.ensure_future(CatchUp(Store([record(source=PushedSource())]), engine).run())
+    await wait_until_async(lambda: len(engine.calls) >= 3, 10, "the gate polling")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_a_backend_with_no_record_store_turns_catch_up_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert catch_up.committed_store_for("ns", "backend", "kubernetes") is None
+    assert "catch-up before serving is off" in caplog.text
+    assert catch_up.committed_store_for("ns", "backend", "file") is not None
