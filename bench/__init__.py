@@ -12,6 +12,7 @@ its own table:
 - ``refit``              6. the refit cycle: streamed, gloo and disk updates' MB/s
 - ``streaming``          7. streamed completions through Dynamo's frontend
 - ``aiperf_compare``     8. parts 1 and 7 measured by aiperf
+- ``fleet``              9. N sim workers: fleet refit (disk, streamed), registration, memory
 
 Shared: ``context`` (options, model, prompts, processes), ``measure``
 (interleaved repetitions, CPU time by process role), ``stats`` (closed-loop

@@ -1,7 +1,7 @@
 """``make bench``: the gRPC hop's cost, measured side by side in one run.
 
-    python -m bench [--parts 4,1,7,2,3,5,6,8] [--reps 5] [--quick] [--out bench-results]
-                    [--aiperf .aiperf/bin/aiperf]
+    python -m bench [--parts 4,1,7,2,3,5,6,8,9] [--reps 5] [--quick] [--out bench-results]
+                    [--aiperf .aiperf/bin/aiperf] [--fleet-sizes 1,2,4,8,16] [--fleet-mb 256]
 
 1. Rollouts through Dynamo's frontend at concurrency 1/16/64/256: (a) a Dynamo
    worker serving the simulated engine in its own process, (b) bridge + engine
@@ -21,6 +21,11 @@
    process against two, with time to first token (``bench/streaming.py``).
 8. Parts 1 and 7's comparison measured by aiperf, Dynamo's own benchmark client
    (``bench/aiperf_compare.py``; skipped when aiperf is not installed).
+9. ``fleet``: N sim workers (engine server + bridge each): the fleet refit's wall
+   time against N, from disk and streamed, registration time and memory per
+   worker (``bench/fleet.py``).
+
+``--parts`` takes numbers or names (``--parts fleet``, ``--parts 6,fleet``).
 
 Within a part, configurations are interleaved (each repetition runs every
 configuration, in a rotating order: ``bench/measure.py``) and medians over
@@ -34,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -47,6 +53,7 @@ from typing import Any
 
 from bench import (
     aiperf_compare,
+    fleet,
     frontend_rollouts,
     hop,
     kv_events,
@@ -70,6 +77,19 @@ PARTS: dict[int, Part] = {
     6: refit.run,
     7: streaming.run,
     8: aiperf_compare.run,
+    9: fleet.run,
+}
+# ``--parts`` by name as well as by number.
+PART_NAMES = {
+    "frontend_rollouts": 1,
+    "hop": 2,
+    "large_rollout": 3,
+    "kv_events": 4,
+    "vllm_stack": 5,
+    "refit": 6,
+    "streaming": 7,
+    "aiperf_compare": 8,
+    "fleet": 9,
 }
 # Parts 1, 2, 7 and 8 measure the same simulated engine servers.
 SIM_ENGINE_PARTS = {1, 2, 7, 8}
@@ -98,8 +118,10 @@ def scratch(keep: bool) -> Iterator[Path]:
 
 
 async def run_parts(
-    parts: list[int], options: Options, keep_logs: bool
+    parts: list[int], options: Options, keep_logs: bool, table: dict[int, Part] | None = None
 ) -> tuple[Meta, dict[int, PartResult]]:
+    """``table``: the parts by number (default ``PARTS``)."""
+    table = table or PARTS
     meta = Meta(
         when=time.strftime("%Y-%m-%d %H:%M:%S"),
         cpus=os.cpu_count(),
@@ -112,7 +134,7 @@ async def run_parts(
         bench = Bench(options, root, group)
         started = time.monotonic()
         for i, part in enumerate(parts):
-            result = await PARTS[part](bench)
+            result = await table[part](bench)
             if result is not None:
                 results[part] = result
             say(f"  ({time.monotonic() - started:.0f}s so far)")
@@ -126,6 +148,7 @@ def goals_line(results: dict[int, PartResult]) -> str | None:
     """One line for the top of bench.md: how many of the parts' goals this run
     met, and the ones it missed (None: no part measured against goals)."""
     goals = {p: r.goals() for p, r in sorted(results.items()) if isinstance(r, HasGoals)}
+    goals = {p: per for p, per in goals.items() if per}
     if not goals:
         return None
     every = [(p, g) for p, per in goals.items() for g in per]
@@ -159,10 +182,23 @@ def as_json(meta: Meta, results: dict[int, PartResult]) -> dict[str, Any]:
     return out
 
 
+def parse_part(text: str) -> int:
+    """A ``--parts`` entry: a part's number or name (ValueError naming them)."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    if text in PART_NAMES:
+        return PART_NAMES[text]
+    names = ", ".join(f"{n} ({k})" for k, n in PART_NAMES.items())
+    raise ValueError(f"--parts: no part {text!r} (there are {names})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--parts", default="4,1,7,2,3,5,6,8", help="which parts, in this order (default: all)"
+        "--parts",
+        default="4,1,7,2,3,5,6,8,9",
+        help="which parts, in this order, by number or name (fleet, refit, ...; default: all)",
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per cell (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
@@ -178,10 +214,40 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="the aiperf command part 8 runs (default: .aiperf/bin/aiperf; none: skipped)",
     )
+    parser.add_argument(
+        "--fleet-sizes",
+        default=",".join(map(str, fleet.DEFAULT_SIZES)),
+        help="part 9: the fleet sizes, in this order (default %(default)s)",
+    )
+    parser.add_argument(
+        "--fleet-mb",
+        type=int,
+        default=None,
+        help=f"part 9: the synthetic checkpoint's MB (default {fleet.DEFAULT_MB}; "
+        f"{fleet.QUICK_MB} with --quick)",
+    )
+    parser.add_argument(
+        "--fleet-reps",
+        type=int,
+        default=None,
+        help=f"part 9: refits per path and size (default {fleet.DEFAULT_REPS}; 1 with --quick)",
+    )
     args = parser.parse_args(argv)
-    parts = [int(p) for p in args.parts.split(",")]
+    try:
+        parts = [parse_part(p) for p in args.parts.split(",")]
+        sizes = tuple(int(n) for n in args.fleet_sizes.split(","))
+    except ValueError as e:
+        parser.error(str(e))
     if unknown := sorted(set(parts) - set(PARTS)):
         parser.error(f"--parts: no part {unknown} (there are {sorted(PARTS)})")
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--fleet-sizes: worker counts of 1 or more, got {args.fleet_sizes!r}")
+    if (args.fleet_mb is not None and args.fleet_mb < 4) or (
+        args.fleet_reps is not None and args.fleet_reps < 1
+    ):
+        parser.error("--fleet-mb: 4 or more (tensors of 4 MB); --fleet-reps: 1 or more")
+    settings = fleet.FleetSettings(sizes, args.fleet_mb, args.fleet_reps)
+    table: dict[int, Part] = {**PARTS, 9: functools.partial(fleet.run, settings=settings)}
     if args.aiperf and aiperf_compare.find_aiperf(args.aiperf) is None:
         parser.error(f"--aiperf: no command {args.aiperf!r}")
     options = Options(args.reps, args.quick, tuple(args.engine_server_args.split()), args.aiperf)
@@ -192,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        meta, results = runner.run(run_parts(parts, options, args.keep_logs))
+        meta, results = runner.run(run_parts(parts, options, args.keep_logs, table))
     text = report(meta, results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(as_json(meta, results), indent=1))
