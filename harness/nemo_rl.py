@@ -3,7 +3,7 @@ the worker's ``python -m dynamo.vllm`` command line (its ``arguments.build_dynam
 run as ``python -m engine_worker``, the environment its worker pool sets, the
 frontend's flags (``build_dynamo_frontend_argv``), and a rollout as its
 ``_build_completion_request`` posts it and its ``_parse_dynamo_completion_response``
-reads it.
+reads it, and its trainer's weight push over ``gloo``.
 
     worker = start_worker(stack, "worker-0", *worker_argv(model_dir, "m", ns, GLOO))
     stack.start_frontend(*frontend_args(ns))
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.env import ONE_MACHINE_FLAGS
-from harness.ports import free_system_port
+from harness.ports import free_port, free_system_port
 from harness.procs import Proc
 from harness.stack import Stack
 
@@ -165,3 +165,31 @@ def parse_completion(body: Mapping[str, Any]) -> Completion:
     return Completion(
         [int(t) for t in ids], [float(x) for x in logprobs], choice["finish_reason"] == "length"
     )
+
+
+def send_gloo_weights(weights: Path, client: Any, world_size: int) -> None:
+    """A trainer's weight push as NeMo RL's refit runs it, over ``gloo`` (the CPU
+    stand-in for NCCL): vLLM's plugins loaded (ours registers ``gloo``), the model at
+    ``weights`` in float32, vLLM's own trainer engine as rank 0 of ``world_size`` on
+    loopback, then its ``send_weights`` through ``client`` (start, update with the
+    broadcast running, finish); the trainer shut down however it ends."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from engine_server.weight_transfer_gloo import GlooTrainerInitInfo
+
+    load_general_plugins()  # what a trainer does: our plugin registers `gloo`
+    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
+    init = GlooTrainerInitInfo(
+        master_address="127.0.0.1", master_port=free_port(), world_size=world_size, rank=0
+    )
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        init, client=client, source=ModuleSource(model)
+    )
+    try:
+        trainer.send_weights()
+    finally:
+        trainer.shutdown()

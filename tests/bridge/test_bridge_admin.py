@@ -11,6 +11,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,9 +151,11 @@ async def upstream() -> AsyncIterator[Upstream]:
     await runner.cleanup()
 
 
-async def _serve(
+@asynccontextmanager
+async def _serving(
     upstream: Upstream, token: AdminToken | None, host: str = "127.0.0.1"
-) -> tuple[SystemServer, Served]:
+) -> AsyncIterator[Served]:
+    """A SystemServer in front of ``upstream``, stopped after the block."""
     calls: list[tuple[str, Any]] = []
 
     def route(name: str, answer: dict[str, Any]) -> Any:
@@ -170,7 +173,10 @@ async def _serve(
     port = free_dynamo_port()
     server = SystemServer(SystemPort(host, port, upstream.port), routes, token)
     await server.start()
-    return server, Served(f"http://127.0.0.1:{port}", upstream, calls)
+    try:
+        yield Served(f"http://127.0.0.1:{port}", upstream, calls)
+    finally:
+        await server.stop()
 
 
 async def _call(
@@ -194,8 +200,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 async def test_with_a_token_every_admin_path_needs_it_and_probes_stay_open(
     upstream: Upstream,
 ) -> None:
-    server, s = await _serve(upstream, AdminToken(TOKEN, "test"))
-    try:
+    async with _serving(upstream, AdminToken(TOKEN, "test")) as s:
         for path in ("/engine/pause_generation", "/engine/control/sleep"):
             for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
                 status, answer, resp_headers = await _call(s.url + path, b"{}", headers)
@@ -228,19 +233,14 @@ async def test_with_a_token_every_admin_path_needs_it_and_probes_stay_open(
         status, answer, _ = await _call(s.url + "/engine/control/start_profile", b"{}", AUTH)
         assert status == 200 and answer == {"upstream": "/engine/control/start_profile"}
         assert upstream.authorization == [None] * 4  # the token stays with us
-    finally:
-        await server.stop()
 
 
 async def test_without_a_token_the_routes_are_open_as_before(upstream: Upstream) -> None:
-    server, s = await _serve(upstream, None)
-    try:
+    async with _serving(upstream, None) as s:
         status, answer, _ = await _call(s.url + "/engine/pause_generation", b"{}")
         assert status == 200 and answer == {"status": "ok"}
         status, _, _ = await _call(s.url + "/engine/control/start_profile", b"{}")
         assert status == 200 and upstream.seen == ["/engine/control/start_profile"]
-    finally:
-        await server.stop()
 
 
 async def test_refit_client_sends_the_token(
@@ -248,8 +248,7 @@ async def test_refit_client_sends_the_token(
 ) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
-    server, s = await _serve(upstream, AdminToken(TOKEN, "test"))
-    try:
+    async with _serving(upstream, AdminToken(TOKEN, "test")) as s:
         async with RefitClient([s.url]) as anonymous:
             with pytest.raises(RouteError, match="HTTP 401"):
                 await anonymous.call(s.url, "pause_generation")
@@ -268,8 +267,6 @@ async def test_refit_client_sends_the_token(
             with pytest.raises(RouteError, match="HTTP 401"):
                 await wrong.call(s.url, "pause_generation")
         assert len(s.calls) == 3
-    finally:
-        await server.stop()
 
 
 @pytest.mark.parametrize(
@@ -284,8 +281,8 @@ async def test_start_warns_once_when_open_beyond_loopback(
     warned: bool,
 ) -> None:
     caplog.set_level(logging.INFO, logger="bridge")
-    server, _ = await _serve(upstream, AdminToken(token, "test") if token else None, host)
-    await server.stop()
+    async with _serving(upstream, AdminToken(token, "test") if token else None, host):
+        pass
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == (1 if warned else 0), [r.getMessage() for r in warnings]
     if warned:
@@ -295,8 +292,7 @@ async def test_start_warns_once_when_open_beyond_loopback(
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 async def test_non_json_constants_are_invalid_json(upstream: Upstream, constant: str) -> None:
-    server, s = await _serve(upstream, None)
-    try:
+    async with _serving(upstream, None) as s:
         body = f'{{"weight_version": {constant}}}'.encode()
         status, answer, _ = await _call(s.url + "/engine/pause_generation", body)
         assert status == 400 and answer["error"] == "Invalid JSON", answer
@@ -305,17 +301,12 @@ async def test_non_json_constants_are_invalid_json(upstream: Upstream, constant:
         with pytest.raises(ValueError):
             strict_json(body)
         assert strict_json(b'{"weight_version": 1e999}') == {"weight_version": math.inf}
-    finally:
-        await server.stop()
 
 
 async def test_an_answer_never_leaves_as_non_json(upstream: Upstream) -> None:
-    server, s = await _serve(upstream, None)
-    try:
+    async with _serving(upstream, None) as s:
         status, answer, _ = await _call(s.url + "/engine/nan_answer", b"{}")
         assert status == 500 and answer["status"] == "error"
-    finally:
-        await server.stop()
 
 
 # -- the routes: labels and booleans ------------------------------------------------------

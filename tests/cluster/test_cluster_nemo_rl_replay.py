@@ -58,10 +58,10 @@ from harness.nemo_rl import (
     completion_body,
     frontend_args,
     parse_completion,
+    send_gloo_weights,
     start_worker,
     worker_argv,
 )
-from harness.ports import free_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
@@ -90,7 +90,6 @@ WORKERS = 2
 TRAIN_WORLD_SIZE = 1  # the trainer: one rank, the sender
 CONTROL_TIMEOUT_S = 60  # NeMo RL's dynamo_cfg.control_timeout_s
 VERSION = "step-1"
-LOOPBACK = "127.0.0.1"
 BLOCK = 32
 MAX_MODEL_LEN = 512
 MAX_NEW_TOKENS = 16
@@ -379,30 +378,8 @@ def refit(r: Replay, weights: Path) -> NemoRlFleet:
     """NeMo RL's refit of the fleet to ``weights`` under VERSION, the trainer being
     vLLM's own for ``gloo``, then its cache flush (pause every worker, clearing its
     cache, then resume every worker)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
-
-    from engine_server.weight_transfer_gloo import GlooTrainerInitInfo
-
-    load_general_plugins()  # what a trainer does: our plugin registers `gloo`
-    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
     fleet = NemoRlFleet([w.system_url for w in r.workers], VERSION)
-    init = GlooTrainerInitInfo(
-        master_address=LOOPBACK,
-        master_port=free_port(),
-        world_size=TRAIN_WORLD_SIZE + len(r.workers),
-        rank=0,
-    )
-    trainer = WeightTransferTrainerFactory.trainer_init(
-        init, client=fleet, source=ModuleSource(model)
-    )
-    try:
-        trainer.send_weights()  # start, update (the broadcast running), finish
-    finally:
-        trainer.shutdown()
+    send_gloo_weights(weights, fleet, TRAIN_WORLD_SIZE + len(r.workers))
     for c in fleet.clients:
         answer = c.call("pause_generation", {"mode": "wait", "clear_cache": True})
         assert answer["clear_cache"] is True, answer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -80,16 +80,22 @@ async def assert_still_serving(stub) -> None:  # type: ignore[no-untyped-def]
     assert len(answer.token_ids) <= 1
 
 
+async def assert_invalid_argument(stub, call: Awaitable[object], start: str) -> None:  # type: ignore[no-untyped-def]
+    """``call`` fails INVALID_ARGUMENT, its message starting with ``start`` (the
+    field it names), and the server still serves."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(start), err.value.details()
+    await assert_still_serving(stub)
+
+
 @pytest.mark.parametrize("case", sorted(ROLLOUT_CASES))
 async def test_a_malformed_rollout_is_invalid_argument_naming_its_field(
     stub, server_info, case: str
 ) -> None:  # type: ignore[no-untyped-def]
     build, field = ROLLOUT_CASES[case]
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Rollout(build(server_info))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(field + ":"), err.value.details()
-    await assert_still_serving(stub)
+    await assert_invalid_argument(stub, stub.Rollout(build(server_info)), field + ":")
 
 
 @pytest.mark.parametrize("case", sorted(GENERATE_CASES))
@@ -97,11 +103,7 @@ async def test_a_malformed_generate_is_invalid_argument_naming_its_field(
     stub, server_info, case: str
 ) -> None:  # type: ignore[no-untyped-def]
     mutate, field = GENERATE_CASES[case]
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(stub, generate(server_info, mutate))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(field + ":"), err.value.details()
-    await assert_still_serving(stub)
+    await assert_invalid_argument(stub, collect(stub, generate(server_info, mutate)), field + ":")
 
 
 async def test_a_message_over_the_size_limit_is_resource_exhausted(stub, server_info) -> None:  # type: ignore[no-untyped-def]
@@ -125,8 +127,4 @@ async def test_a_malformed_abort_is_invalid_argument_naming_its_field(
     request = pb.AbortRequest(**request_kw)  # type: ignore[arg-type]
     if "request_id" in request_kw:
         request.request_id = ""  # set the oneof to an empty id explicitly
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Abort(request)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(field), err.value.details()
-    await assert_still_serving(stub)
+    await assert_invalid_argument(stub, stub.Abort(request), field)

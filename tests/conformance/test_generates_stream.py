@@ -126,16 +126,21 @@ async def test_a_failed_completion_fails_alone(stub, server_info) -> None:  # ty
     await wait_load_async(stub, idle, 2.0, "engine idle after the stream ended")
 
 
+async def start_long_generates(  # type: ignore[no-untyped-def]
+    stub, call, info: pb.GetServerInfoResponse, tags: range, prefix: str, seed: int
+) -> None:
+    """Long completions started on the stream, one per tag (ids from ``prefix``,
+    seeds counting up from ``seed``); returns once the engine holds every one."""
+    starts = [
+        start(t, long_generate(info, new_id(prefix), seed=seed + i)) for i, t in enumerate(tags)
+    ]
+    await call.write(pb.GeneratesRequest(start=starts))
+    await wait_load_async(stub, lambda load: load.registered_requests >= len(tags))
+
+
 async def test_cancel_by_tag_aborts_the_engine_request(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     call = stub.Generates()
-    await call.write(
-        pb.GeneratesRequest(
-            start=[
-                start(10 + i, long_generate(server_info, new_id("gsc"), seed=i)) for i in range(3)
-            ]
-        )
-    )
-    await wait_load_async(stub, lambda load: load.registered_requests >= 3)
+    await start_long_generates(stub, call, server_info, range(10, 13), "gsc", seed=0)
     await call.write(pb.GeneratesRequest(cancel=[10, 11, 12, 999]))
     results = await read_streams(call, {10, 11, 12})
     for tag in (10, 11, 12):
@@ -148,14 +153,7 @@ async def test_cancel_by_tag_aborts_the_engine_request(stub, server_info) -> Non
 
 async def test_ending_the_stream_aborts_its_completions(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     call = stub.Generates()
-    await call.write(
-        pb.GeneratesRequest(
-            start=[
-                start(i, long_generate(server_info, new_id("gse"), seed=40 + i)) for i in range(6)
-            ]
-        )
-    )
-    await wait_load_async(stub, lambda load: load.registered_requests >= 6)
+    await start_long_generates(stub, call, server_info, range(6), "gse", seed=40)
     call.cancel()
     await wait_load_async(stub, idle, 1.0, "engine idle 1 s after the stream ended")
 

@@ -112,8 +112,10 @@ def _needs(info: pb.GetServerInfoResponse, capability: str) -> None:
         pytest.skip(f"the {info.backend_name} engine does not serve {capability}")
 
 
-def _needs_tiny_model(info: pb.GetServerInfoResponse) -> Path:
-    """Seed-1 weights of the served model, when the served model is the tiny one."""
+def _needs_tiny_model(info: pb.GetServerInfoResponse, capability: str) -> Path:
+    """Seed-1 weights of the served model, when the engine serves ``capability`` and
+    the served model is the tiny one."""
+    _needs(info, capability)
     weights = tiny_weights_dir(1)
     served = Path(info.model_path)
     ours = {p.name: p.stat().st_size for p in weights.glob("*.safetensors")}
@@ -350,8 +352,7 @@ async def test_pause_clears_the_routers_view_at_once(refit: Refit) -> None:
 
 
 async def test_update_is_refused_unless_paused(refit: Refit) -> None:
-    _needs(refit.info, "update_from_path")
-    weights = _needs_tiny_model(refit.info)
+    weights = _needs_tiny_model(refit.info, "update_from_path")
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await refit.stub.UpdateWeightsFromPath(pb.UpdateWeightsFromPathRequest(path=str(weights)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -370,8 +371,7 @@ async def test_update_is_refused_unless_paused(refit: Refit) -> None:
 async def test_refit_from_path_changes_outputs_and_back_restores_them_exactly(
     refit: Refit,
 ) -> None:
-    _needs(refit.info, "update_from_path")
-    weights = _needs_tiny_model(refit.info)
+    weights = _needs_tiny_model(refit.info, "update_from_path")
     stub, info = refit.stub, refit.info
     refit.original = await greedy(stub, info)
     await refit.pause(pb.PAUSE_MODE_WAIT)
@@ -389,8 +389,7 @@ async def test_refit_from_path_changes_outputs_and_back_restores_them_exactly(
 
 
 async def test_streamed_tensors_load_like_the_checkpoint(refit: Refit) -> None:
-    _needs(refit.info, "update_from_tensors")
-    weights = _needs_tiny_model(refit.info)
+    weights = _needs_tiny_model(refit.info, "update_from_tensors")
     stub, info = refit.stub, refit.info
     refit.original = await greedy(stub, info)
     await refit.pause(pb.PAUSE_MODE_WAIT)
@@ -423,8 +422,7 @@ def _bad_shape(tensors: list[Tensor]) -> list[Tensor]:
     ["missing-dir", "wrong-shape", "unknown-name", "missing-tensors", "split-fused-group"],
 )
 async def test_bad_update_is_refused_and_old_weights_keep_serving(refit: Refit, case: str) -> None:
-    _needs(refit.info, "update_from_tensors")
-    weights = _needs_tiny_model(refit.info)
+    weights = _needs_tiny_model(refit.info, "update_from_tensors")
     stub, info = refit.stub, refit.info
     refit.original = await greedy(stub, info)
     version = (await stub.GetWeightVersion(pb.GetWeightVersionRequest())).weight_version
@@ -470,8 +468,7 @@ async def test_bad_update_is_refused_and_old_weights_keep_serving(refit: Refit, 
 
 
 async def test_broken_tensor_streams_load_nothing(refit: Refit) -> None:
-    _needs(refit.info, "update_from_tensors")
-    weights = _needs_tiny_model(refit.info)
+    weights = _needs_tiny_model(refit.info, "update_from_tensors")
     stub, info = refit.stub, refit.info
     refit.original = await greedy(stub, info)
     await refit.pause(pb.PAUSE_MODE_WAIT)
@@ -531,6 +528,16 @@ async def test_unsupported_parts_answer_failed_precondition(stub, server_info) -
     assert not (await stub.IsSleeping(pb.IsSleepingRequest())).sleeping
 
 
+async def _health_becomes(health: health_pb2_grpc.HealthStub, wanted: int) -> None:
+    """Until the health service answers ``wanted`` (2.5 s at most, then it fails)."""
+    for _ in range(50):
+        status = (await health.Check(health_pb2.HealthCheckRequest())).status
+        if status == wanted:
+            break
+        await asyncio.sleep(0.05)
+    assert status == wanted
+
+
 async def test_sleep_takes_the_server_out_of_service_until_wake_up(
     refit: Refit, engine_address: str
 ) -> None:
@@ -541,19 +548,9 @@ async def test_sleep_takes_the_server_out_of_service_until_wake_up(
     await stub.Sleep(pb.SleepRequest(level=1))
     try:
         assert (await stub.IsSleeping(pb.IsSleepingRequest())).sleeping
-        for _ in range(50):
-            status = (await health.Check(health_pb2.HealthCheckRequest())).status
-            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                break
-            await asyncio.sleep(0.05)
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await _health_becomes(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     finally:
         assert (await stub.WakeUp(pb.WakeUpRequest())).awake
-    for _ in range(50):
-        status = (await health.Check(health_pb2.HealthCheckRequest())).status
-        if status == health_pb2.HealthCheckResponse.SERVING:
-            break
-        await asyncio.sleep(0.05)
-    assert status == health_pb2.HealthCheckResponse.SERVING
+    await _health_becomes(health, health_pb2.HealthCheckResponse.SERVING)
     assert len(await greedy(stub, refit.info)) == len(PROMPT_SEEDS)
     await channel.close()

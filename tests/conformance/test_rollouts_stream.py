@@ -45,6 +45,23 @@ async def read_results(  # type: ignore[no-untyped-def]
     return results
 
 
+async def start_long_rollouts(  # type: ignore[no-untyped-def]
+    stub, call, info: pb.GetServerInfoResponse, tags: range, seed: int
+) -> tuple[dict[int, pb.RolloutResult], asyncio.Future[dict[int, pb.RolloutResult]]]:
+    """Long rollouts started on the stream, one per tag (seeds counting up from
+    ``seed``), and read as they end: their results (filling) and the reader; returns
+    once every one is registered, but those already answered (a sampled rollout may
+    end early on EOS)."""
+    starts = [
+        pb.RolloutStart(tag=t, rollout=long_rollout(info, seed + i)) for i, t in enumerate(tags)
+    ]
+    await call.write(pb.RolloutsRequest(start=starts))
+    results: dict[int, pb.RolloutResult] = {}
+    reader = asyncio.ensure_future(read_results(call, len(tags), results))
+    await wait_load_async(stub, lambda load: load.registered_requests + len(results) >= len(tags))
+    return results, reader
+
+
 def error_of(result: pb.RolloutResult) -> tuple[grpc.StatusCode, str]:
     assert result.WhichOneof("outcome") == "error", result
     code = next(c for c in grpc.StatusCode if c.value[0] == result.error.code)
@@ -127,19 +144,7 @@ async def test_a_failed_rollout_fails_alone(stub, server_info) -> None:  # type:
 
 async def test_cancel_aborts_the_engine_request(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     call = stub.Rollouts()
-    await call.write(
-        pb.RolloutsRequest(
-            start=[
-                pb.RolloutStart(tag=10 + i, rollout=long_rollout(server_info, seed=20 + i))
-                for i in range(3)
-            ]
-        )
-    )
-    results: dict[int, pb.RolloutResult] = {}
-    reader = asyncio.ensure_future(read_results(call, 3, results))
-    # Every rollout registered, but those already answered (a sampled rollout may
-    # end early on EOS).
-    await wait_load_async(stub, lambda load: load.registered_requests + len(results) >= 3)
+    results, reader = await start_long_rollouts(stub, call, server_info, range(10, 13), seed=20)
     await call.write(pb.RolloutsRequest(cancel=[10, 11, 12, 999]))
     await asyncio.wait_for(reader, 60)
     for tag in (10, 11, 12):
@@ -156,17 +161,7 @@ async def test_cancel_aborts_the_engine_request(stub, server_info) -> None:  # t
 
 async def test_ending_the_stream_aborts_its_rollouts(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     call = stub.Rollouts()
-    await call.write(
-        pb.RolloutsRequest(
-            start=[
-                pb.RolloutStart(tag=i, rollout=long_rollout(server_info, seed=40 + i))
-                for i in range(6)
-            ]
-        )
-    )
-    results: dict[int, pb.RolloutResult] = {}
-    reader = asyncio.ensure_future(read_results(call, 6, results))
-    await wait_load_async(stub, lambda load: load.registered_requests + len(results) >= 6)
+    _, reader = await start_long_rollouts(stub, call, server_info, range(6), seed=40)
     call.cancel()
     await asyncio.gather(reader, return_exceptions=True)
     await wait_load_async(stub, idle, 1.0, "engine idle 1 s after the stream ended")

@@ -190,8 +190,7 @@ async def test_a_new_label_under_a_keep_pause_ends_guarded_requests(guarded: Gua
 async def test_new_weights_under_a_keep_pause_end_guarded_requests_not_others(
     guarded: Guarded,
 ) -> None:
-    _needs(guarded.info, "update_from_path")
-    weights = _needs_tiny_model(guarded.info)
+    weights = _needs_tiny_model(guarded.info, "update_from_path")
     stub, info = guarded.stub, guarded.info
     free = long_generate(
         info, new_id("wgf"), seed=3, max_tokens=min(480, info.engine_config.context_length - 8)

@@ -34,6 +34,7 @@ from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
 from harness.http import http_json
+from harness.nemo_rl import send_gloo_weights
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
@@ -140,32 +141,13 @@ def serving_unchanged(ds: DistStack) -> Iterator[None]:
 
 
 def test_nemo_rl_refit_over_the_routes_serves_the_new_checkpoint(dist_stack: DistStack) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
-
-    from engine_server.weight_transfer_gloo import GlooTrainerInitInfo
-
     ds = dist_stack
     before, _ = frontend_rollouts(ds)
     reference = fresh_rollouts(ds)
     assert before != reference  # the two checkpoints really differ
 
-    load_general_plugins()  # what a trainer does: our plugin registers `gloo`
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_weights_dir(1)), dtype=torch.float32)
     client = DynamoWeightSyncClient(ds.admin, weight_version="dist-b", timeout_s=120)
-    init = GlooTrainerInitInfo(
-        master_address=LOOPBACK, master_port=free_port(), world_size=2, rank=0
-    )
-    trainer = WeightTransferTrainerFactory.trainer_init(
-        init, client=client, source=ModuleSource(model)
-    )
-    try:
-        trainer.send_weights()  # start, update (the broadcast running), finish
-    finally:
-        trainer.shutdown()
+    send_gloo_weights(tiny_weights_dir(1), client, world_size=2)
     assert route(ds, "pause_generation", {"mode": "wait", "clear_cache": True})["status"] == "ok"
     assert route(ds, "resume_generation", {})["status"] == "ok"
     assert version(ds) == "dist-b"

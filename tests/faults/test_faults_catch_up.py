@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -142,6 +143,17 @@ class Fleet:
 
     def registered(self) -> int:
         return registered_workers(self.stack.kv_dir, NAMESPACE)
+
+    @property
+    def store(self) -> FileCommittedStore:
+        """The fleet's committed record (a file store beside discovery's)."""
+        return FileCommittedStore(self.stack.kv_dir, NAMESPACE)
+
+    def trainer(self) -> EngineRefitClient:
+        """The trainer's refit client for every worker's engine server, committing to
+        the fleet's record."""
+        addresses = [w.listen for w in self.workers]
+        return EngineRefitClient(addresses, store=self.store, deadlines=DEADLINES)
 
     def wait_registered(self, count: int, procs: list[Proc], timeout: float = 60) -> None:
         wait_until(
@@ -267,6 +279,10 @@ class Sampler:
         await wait_until_async(
             lambda: any(s.registered == 2 for s in self.samples), 10, "a sample registered"
         )
+        self.check_none_too_early(committed)
+
+    def check_none_too_early(self, committed: str) -> None:
+        """No sample saw the worker registered before its engine served ``committed``."""
         assert not self.too_early(committed), self.too_early(committed)[:5]
 
     def first_registered(self) -> float:
@@ -300,15 +316,39 @@ def instance(worker: Worker) -> str:
         return str(info.instance_id)
 
 
+async def rejoined(
+    fleet: Fleet, worker: Worker, sampler: Sampler, driver: Driver, what: str
+) -> str:
+    """The worker back in the pool: both registered, no sample saw it so before its
+    engine served "1", then ``what`` (a rollout served by its new engine server);
+    that server's instance id."""
+    procs = [p for w in fleet.workers for p in w.procs]
+    await asyncio.to_thread(fleet.wait_registered, 2, procs)
+    await sampler.check_joined("1")
+    served = instance(worker)
+    await wait_until_async(lambda: driver.served_by(served), 60, what)
+    return served
+
+
+def end_of_run(
+    name: str, driver: Driver, failed: list[BaseException], instances: list[str], **figures: Any
+) -> None:
+    """No rollout of the run failed, every one on version "1", and each of B's
+    engine servers (``instances``) served some; then the run's figures recorded
+    under ``name``."""
+    assert not failed, failed
+    assert_all_on(driver.results, "1")
+    assert all(driver.served_by(i) for i in instances)
+    record(name, rollouts=len(driver.results), **figures)
+
+
 async def test_a_restarted_worker_loads_the_committed_checkpoint_before_it_serves(
     fleet: Fleet,
 ) -> None:
     a, b = fleet.workers
-    store = FileCommittedStore(fleet.stack.kv_dir, NAMESPACE)
-    addresses = [w.listen for w in fleet.workers]
-    async with EngineRefitClient(addresses, store=store, deadlines=DEADLINES) as trainer:
+    async with fleet.trainer() as trainer:
         await trainer.refit("1", path=CKPT)
-    committed = store.read()
+    committed = fleet.store.read()
     assert committed is not None and committed.weights.source == CheckpointSource(CKPT)
     driver = Driver(fleet.stack.base_url)
     driver.start()
@@ -322,14 +362,9 @@ async def test_a_restarted_worker_loads_the_committed_checkpoint_before_it_serve
         before = fleet.catch_up_seconds(b, "checkpoint")
         with Sampler(fleet, b) as restart:
             ready = await asyncio.to_thread(fleet.start_engine, b)
-            await asyncio.to_thread(fleet.wait_registered, 2, [*a.procs, *b.procs])
-            await restart.check_joined("1")
-            first = instance(b)
-            await wait_until_async(
-                lambda: driver.served_by(first), 60, "a rollout served by B's new engine"
-            )
+            first = await rejoined(fleet, b, restart, driver, "a rollout served by B's new engine")
         after = fleet.catch_up_seconds(b, "checkpoint")
-        assert not restart.too_early("1"), restart.too_early("1")[:5]
+        restart.check_none_too_early("1")
         assert after[0] == before[0] + 1
         engine_restart = {
             "bridge_catch_up_s": round(after[1] - before[1], 4),
@@ -365,13 +400,8 @@ async def test_a_restarted_worker_loads_the_committed_checkpoint_before_it_serve
             window_s = time.monotonic() - window_started
             aside.rename(b.checkpoint)  # the checkpoint arrives
             arrived = time.time()
-            await asyncio.to_thread(fleet.wait_registered, 2, [*a.procs, *b.procs])
-            await restart.check_joined("1")
-            second = instance(b)
-            await wait_until_async(
-                lambda: driver.served_by(second), 60, "a rollout served by the new worker"
-            )
-        assert not restart.too_early("1"), restart.too_early("1")[:5]
+            second = await rejoined(fleet, b, restart, driver, "a rollout served by the new worker")
+        restart.check_none_too_early("1")
         assert all(s.registered_requests == 0 for s in restart.samples if s.version is None)
         worker_restart = {
             "window_s": round(window_s, 2),
@@ -379,12 +409,11 @@ async def test_a_restarted_worker_loads_the_committed_checkpoint_before_it_serve
         }
     finally:
         failed = await driver.stop()
-    assert not failed, failed
-    assert_all_on(driver.results, "1")
-    assert driver.served_by(first) and driver.served_by(second)
-    record(
+    end_of_run(
         "catch_up_checkpoint",
-        rollouts=len(driver.results),
+        driver,
+        failed,
+        [first, second],
         engine_restart=engine_restart,
         worker_restart=worker_restart,
     )
@@ -394,13 +423,11 @@ async def test_a_restarted_worker_waits_for_the_trainers_keeper_to_push_its_weig
     fleet: Fleet,
 ) -> None:
     a, b = fleet.workers
-    store = FileCommittedStore(fleet.stack.kv_dir, NAMESPACE)
-    addresses = [w.listen for w in fleet.workers]
     tensors = checkpoint_tensors(tiny_weights_dir(1))
     driver = Driver(fleet.stack.base_url)
-    async with EngineRefitClient(addresses, store=store, deadlines=DEADLINES) as trainer:
+    async with fleet.trainer() as trainer:
         await trainer.refit("1", tensors=tensors)
-        committed = store.read()
+        committed = fleet.store.read()
         assert committed is not None and committed.weights.source == PushedSource()
         keeper = WeightKeeper(trainer)
         driver.start()
@@ -430,13 +457,10 @@ async def test_a_restarted_worker_waits_for_the_trainers_keeper_to_push_its_weig
                 assert held.registered_requests == 0 and fleet.registered() == 1
                 keeper.start()
                 started = time.time()
-                await asyncio.to_thread(fleet.wait_registered, 2, [*a.procs, *b.procs])
-                await restart.check_joined("1")
-                first = instance(b)
-                await wait_until_async(
-                    lambda: driver.served_by(first), 60, "a rollout served by B's new engine"
+                first = await rejoined(
+                    fleet, b, restart, driver, "a rollout served by B's new engine"
                 )
-            assert not restart.too_early("1"), restart.too_early("1")[:5]
+            restart.check_none_too_early("1")
             assert keeper.pushes == 1 and keeper.last_push_s is not None
             late_keeper = {
                 "keeper_push_s": round(keeper.last_push_s, 4),
@@ -448,13 +472,10 @@ async def test_a_restarted_worker_waits_for_the_trainers_keeper_to_push_its_weig
             with Sampler(fleet, b) as restart:
                 ready = await asyncio.to_thread(fleet.start_engine, b)
                 fleet.start_bridge(b)
-                await asyncio.to_thread(fleet.wait_registered, 2, [*a.procs, *b.procs])
-                await restart.check_joined("1")
-                second = instance(b)
-                await wait_until_async(
-                    lambda: driver.served_by(second), 60, "a rollout served by the new worker"
+                second = await rejoined(
+                    fleet, b, restart, driver, "a rollout served by the new worker"
                 )
-            assert not restart.too_early("1"), restart.too_early("1")[:5]
+            restart.check_none_too_early("1")
             assert keeper.pushes == 2
             count, seconds = fleet.catch_up_seconds(b, "pushed")  # the new bridge's one
             assert count == 1
@@ -466,12 +487,11 @@ async def test_a_restarted_worker_waits_for_the_trainers_keeper_to_push_its_weig
         finally:
             await keeper.close()
             failed = await driver.stop()
-    assert not failed, failed
-    assert_all_on(driver.results, "1")
-    assert driver.served_by(first) and driver.served_by(second)
-    record(
+    end_of_run(
         "catch_up_pushed",
-        rollouts=len(driver.results),
+        driver,
+        failed,
+        [first, second],
         engine_restart_keeper_started_late=late_keeper,
         worker_restart=worker_restart,
     )

@@ -33,6 +33,20 @@ async def _load(stub: pb_grpc.EngineServiceStub) -> pb.GetLoadResponse:
     return await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
 
 
+async def read_to_the_watchdogs_status(
+    call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall,
+) -> None:
+    """Reading again drains what was buffered, then the watchdog's status: ABORTED,
+    a stream write timeout."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async with asyncio.timeout(30):
+            while True:
+                message = await call.read()
+                assert message is not grpc.aio.EOF, "stream ended without an error"
+    assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+    assert "stream write timeout" in (err.value.details() or "")
+
+
 def watched_engine(group: ProcessGroup, *args: str) -> tuple[Proc, str]:
     """A sim engine server whose write watchdog fires after WATCHDOG_S."""
     return group.engine_server("engine", "--stream-write-timeout-s", str(WATCHDOG_S), *args)
@@ -64,14 +78,7 @@ async def test_stalled_stream_is_aborted_by_the_watchdog(tmp_path: Path) -> None
             )
             freed_s = time.monotonic() - stalled_at
             assert engine.alive()
-            # Reading again drains what was buffered, then the watchdog's status.
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async with asyncio.timeout(30):
-                    while True:
-                        message = await call.read()
-                        assert message is not grpc.aio.EOF, "stream ended without an error"
-            assert err.value.code() == grpc.StatusCode.ABORTED, err.value
-            assert "stream write timeout" in (err.value.details() or "")
+            await read_to_the_watchdogs_status(call)
             record(
                 "stalled_client",
                 watchdog_s=WATCHDOG_S,
@@ -174,12 +181,7 @@ async def test_stalled_rollouts_stream_is_aborted_by_the_watchdog(tmp_path: Path
             freed_s = time.monotonic() - started
             assert load.running_requests == 0 and engine.alive()
             assert freed_s < 25.0, f"rollouts of a stalled stream ran on for {freed_s:.1f}s"
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async with asyncio.timeout(30):
-                    while await call.read() is not grpc.aio.EOF:
-                        pass
-            assert err.value.code() == grpc.StatusCode.ABORTED, err.value
-            assert "stream write timeout" in (err.value.details() or "")
+            await read_to_the_watchdogs_status(call)
             record(
                 "stalled_rollouts_stream",
                 watchdog_s=WATCHDOG_S,

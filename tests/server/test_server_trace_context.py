@@ -23,11 +23,14 @@ from harness.engine import InProcessServer, sim_cli_args
 
 TRACE_A = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 TRACE_B = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+# A stub for the server, and the trace headers its engine saw by request id.
+Traced = tuple[pb_grpc.EngineServiceStub, dict[str, Mapping[str, str] | None]]
 
 
 @pytest.fixture
-def server() -> Iterator[tuple[InProcessServer, dict[str, Mapping[str, str] | None]]]:
-    """A sim server whose backend records each request's trace headers by id."""
+def server() -> Iterator[Traced]:
+    """A stub for a sim server whose backend records each request's trace headers by
+    id, and that record."""
     server = InProcessServer.from_cli(*sim_cli_args())
     seen: dict[str, Mapping[str, str] | None] = {}
     backend: Any = server._backend
@@ -42,7 +45,8 @@ def server() -> Iterator[tuple[InProcessServer, dict[str, Mapping[str, str] | No
     backend.generate = recording
     server.start()
     try:
-        yield server, seen
+        with grpc.insecure_channel(server.address) as channel:
+            yield pb_grpc.EngineServiceStub(channel), seen
     finally:
         server.stop()
 
@@ -51,56 +55,57 @@ def rollout(request_id: str) -> pb.RolloutRequest:
     return pb.RolloutRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], max_new_tokens=2)
 
 
+def stream_rollouts(
+    stub: pb_grpc.EngineServiceStub, traces: dict[str, dict[str, str] | None]
+) -> None:
+    """One Rollouts message starting a rollout per request id (tags from 1), each
+    with its trace context (None: none); every one answered with a response."""
+    message = pb.RolloutsRequest(
+        start=[
+            pb.RolloutStart(tag=tag, rollout=rollout(request_id), trace_context=trace)
+            for tag, (request_id, trace) in enumerate(traces.items(), 1)
+        ]
+    )
+    results = [r for m in stub.Rollouts(iter([message]), timeout=30) for r in m.results]
+    tags = list(range(1, len(traces) + 1))
+    assert sorted(r.tag for r in results if r.HasField("response")) == tags, results
+
+
 def completion(request_id: str) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6, 7])
     request.stop.max_tokens = 2
     return request
 
 
-def test_a_unary_call_passes_only_the_trace_headers_to_the_engine(
-    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
-) -> None:
-    address, seen = server[0].address, server[1]
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
-        stub.Rollout(
-            rollout("unary"),
-            timeout=30,
-            metadata=(("traceparent", TRACE_A), ("x-request-id", "dyn-1"), ("other", "x")),
-        )
-        stub.Rollout(rollout("unary-none"), timeout=30)
+def test_a_unary_call_passes_only_the_trace_headers_to_the_engine(server: Traced) -> None:
+    stub, seen = server
+    stub.Rollout(
+        rollout("unary"),
+        timeout=30,
+        metadata=(("traceparent", TRACE_A), ("x-request-id", "dyn-1"), ("other", "x")),
+    )
+    stub.Rollout(rollout("unary-none"), timeout=30)
     assert seen["unary"] == {"traceparent": TRACE_A, "x-request-id": "dyn-1"}
     assert seen["unary-none"] is None
 
 
-def test_rollouts_stream_starts_carry_their_own(
-    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
-) -> None:
-    address, seen = server[0].address, server[1]
-    message = pb.RolloutsRequest(
-        start=[
-            pb.RolloutStart(
-                tag=1,
-                rollout=rollout("a"),
-                trace_context={"traceparent": TRACE_A, "tracestate": "k=v", "bogus": "no"},
-            ),
-            pb.RolloutStart(tag=2, rollout=rollout("b"), trace_context={"traceparent": TRACE_B}),
-            pb.RolloutStart(tag=3, rollout=rollout("none")),
-        ]
+def test_rollouts_stream_starts_carry_their_own(server: Traced) -> None:
+    stub, seen = server
+    stream_rollouts(
+        stub,
+        {
+            "a": {"traceparent": TRACE_A, "tracestate": "k=v", "bogus": "no"},
+            "b": {"traceparent": TRACE_B},
+            "none": None,
+        },
     )
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
-        results = [r for m in stub.Rollouts(iter([message]), timeout=30) for r in m.results]
-    assert sorted(r.tag for r in results if r.HasField("response")) == [1, 2, 3], results
     assert seen["a"] == {"traceparent": TRACE_A, "tracestate": "k=v"}
     assert seen["b"] == {"traceparent": TRACE_B}
     assert seen["none"] is None
 
 
-def test_generates_stream_starts_carry_their_own(
-    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
-) -> None:
-    address, seen = server[0].address, server[1]
+def test_generates_stream_starts_carry_their_own(server: Traced) -> None:
+    stub, seen = server
     message = pb.GeneratesRequest(
         start=[
             pb.GenerateStart(
@@ -109,41 +114,26 @@ def test_generates_stream_starts_carry_their_own(
             pb.GenerateStart(tag=2, generate=completion("d")),
         ]
     )
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
-        deltas = [d for m in stub.Generates(iter([message]), timeout=30) for d in m.deltas]
+    deltas = [d for m in stub.Generates(iter([message]), timeout=30) for d in m.deltas]
     finished = {d.tag for d in deltas if d.response.HasField("finished")}
     assert finished == {1, 2}, deltas
     assert seen["c"] == {"traceparent": TRACE_A}
     assert seen["d"] is None
 
 
-def test_trace_context_over_the_bound_is_dropped_never_refused(
-    server: tuple[InProcessServer, dict[str, Mapping[str, str] | None]],
-) -> None:
+def test_trace_context_over_the_bound_is_dropped_never_refused(server: Traced) -> None:
     """Trace context is advisory: a value over the bound, a long key or many other
     keys never fail the rollout; only the W3C entries within the bound are kept."""
-    address, seen = server[0].address, server[1]
+    stub, seen = server
     long = "0" * (MAX_TRACE_VALUE_CHARS + 1)
-    message = pb.RolloutsRequest(
-        start=[
-            pb.RolloutStart(tag=1, rollout=rollout("long"), trace_context={"traceparent": long}),
-            pb.RolloutStart(
-                tag=2,
-                rollout=rollout("partly"),
-                trace_context={"traceparent": TRACE_A, "tracestate": long, "k" * 100_000: "v"},
-            ),
-            pb.RolloutStart(
-                tag=3,
-                rollout=rollout("many"),
-                trace_context={f"key-{i}": "v" for i in range(1000)} | {"traceparent": TRACE_B},
-            ),
-        ]
+    stream_rollouts(
+        stub,
+        {
+            "long": {"traceparent": long},
+            "partly": {"traceparent": TRACE_A, "tracestate": long, "k" * 100_000: "v"},
+            "many": {f"key-{i}": "v" for i in range(1000)} | {"traceparent": TRACE_B},
+        },
     )
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
-        results = {r.tag: r for m in stub.Rollouts(iter([message]), timeout=30) for r in m.results}
-    assert all(results[tag].HasField("response") for tag in (1, 2, 3)), results
     assert seen["long"] is None
     assert seen["partly"] == {"traceparent": TRACE_A}
     assert seen["many"] == {"traceparent": TRACE_B}

@@ -12,6 +12,25 @@ def greedy(**kw) -> SamplingSpec:
     return SamplingSpec(**{"max_tokens": 40, "temperature": 0.0, **kw})
 
 
+async def reference_tokens(backend) -> list[int]:
+    """The greedy output for PROMPT, with no stop condition but the length."""
+    return tokens_of(await collect(backend, "ref", PROMPT, greedy()))
+
+
+def assert_stopped(outs, tokens: list[int], stop: int | str) -> None:
+    """The output is ``tokens``, finished by the stop token or string ``stop``."""
+    assert tokens_of(outs) == tokens
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert outs[-1].stop_reason == stop
+
+
+def match_end(backend, reference: list[int], text: str) -> int:
+    """The index of the token of ``reference`` that completes the first match of ``text``."""
+    return next(
+        i for i in range(len(reference)) if text in backend.tokenizer.decode(reference[: i + 1])
+    )
+
+
 async def test_max_tokens_is_length(make_backend):
     backend, _ = await make_backend()
     outs = await collect(backend, "r", PROMPT, greedy(max_tokens=7))
@@ -40,18 +59,16 @@ async def test_context_end_is_length(make_backend):
 
 async def test_stop_token_is_kept_and_reported(make_backend):
     backend, _ = await make_backend()
-    reference = tokens_of(await collect(backend, "ref", PROMPT, greedy()))
+    reference = await reference_tokens(backend)
     stop = reference[7]
     first = reference.index(stop)
     outs = await collect(backend, "r", PROMPT, greedy(stop_token_ids=(stop,)))
-    assert tokens_of(outs) == reference[: first + 1]
-    assert outs[-1].finish_reason is FinishReason.STOP
-    assert outs[-1].stop_reason == stop
+    assert_stopped(outs, reference[: first + 1], stop)
 
 
 async def test_min_tokens_masks_stop_tokens(make_backend):
     backend, _ = await make_backend()
-    reference = tokens_of(await collect(backend, "ref", PROMPT, greedy()))
+    reference = await reference_tokens(backend)
     stop = reference[2]
     outs = await collect(backend, "r", PROMPT, greedy(stop_token_ids=(stop,), min_tokens=10))
     tokens = tokens_of(outs)
@@ -76,31 +93,23 @@ async def test_eos_stops_unless_ignored(make_backend):
 
 async def test_stop_string_on_detokenized_text(make_backend):
     backend, _ = await make_backend()
-    reference = tokens_of(await collect(backend, "ref", PROMPT, greedy()))
+    reference = await reference_tokens(backend)
     word = backend.tokenizer.decode([reference[12]])
     # The tokens up to the one that completes the first match are kept.
-    end = next(
-        i for i in range(len(reference)) if word in backend.tokenizer.decode(reference[: i + 1])
-    )
+    end = match_end(backend, reference, word)
     # A stop string spanning two tokens works too.
     pair = backend.tokenizer.decode(reference[5:7])[2:-1]
-    pair_end = next(
-        i for i in range(len(reference)) if pair in backend.tokenizer.decode(reference[: i + 1])
-    )
+    pair_end = match_end(backend, reference, pair)
     for stop, expected_end in ((word, end), (pair, pair_end)):
         outs = await collect(backend, "r", PROMPT, greedy(stop_strings=("zzz-never", stop)))
-        assert tokens_of(outs) == reference[: expected_end + 1]
-        assert outs[-1].finish_reason is FinishReason.STOP
-        assert outs[-1].stop_reason == stop
+        assert_stopped(outs, reference[: expected_end + 1], stop)
 
 
 async def test_min_tokens_delays_stop_strings(make_backend):
     backend, _ = await make_backend()
-    reference = tokens_of(await collect(backend, "ref", PROMPT, greedy()))
+    reference = await reference_tokens(backend)
     word = backend.tokenizer.decode([reference[3]])
-    first = next(
-        i for i in range(len(reference)) if word in backend.tokenizer.decode(reference[: i + 1])
-    )
+    first = match_end(backend, reference, word)
     outs = await collect(backend, "r", PROMPT, greedy(stop_strings=(word,), min_tokens=first + 1))
     tokens = tokens_of(outs)
     assert len(tokens) > first + 1
