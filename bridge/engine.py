@@ -34,6 +34,7 @@ from bridge.admin.rl_endpoint import RlEndpoint
 from bridge.admin.system_server import SystemPort, SystemServer
 from bridge.config import BridgeConfig, parse_args
 from bridge.engine_link import EngineLink
+from bridge.fleet_record import runtime_data
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView
 from bridge.logging import configure_bridge_logging
@@ -96,7 +97,8 @@ class BridgeEngine(LLMEngine):
         self._worker_id = worker_id
         info = await self.link.start(worker_id, on_stalled=self.runner.fail_stalled)
         log.info("registering endpoint types %s: %s", cfg.endpoint_types, cfg.endpoint_types_reason)
-        return _engine_config(cfg, info)
+        system = self._system.address if self._system is not None else None
+        return _engine_config(cfg, info, runtime_data(cfg, system))
 
     async def kv_event_sources(self) -> list[KvEventSource]:
         client, info = self.link.client, self.link.info
@@ -179,12 +181,16 @@ class BridgeEngine(LLMEngine):
         return self.runner.inflight_request_ids()
 
 
-def _engine_config(cfg: BridgeConfig, info: pb.GetServerInfoResponse) -> EngineConfig:
-    """What Dynamo registers for the worker: the engine server's model and shape."""
+def _engine_config(
+    cfg: BridgeConfig, info: pb.GetServerInfoResponse, data: dict[str, Any] | None = None
+) -> EngineConfig:
+    """What Dynamo registers for the worker: the engine server's model and shape, and
+    in its card's ``runtime_data`` what a trainer needs to refit it (``bridge.fleet_record``)."""
     ec = info.engine_config
     return EngineConfig(
         model=cfg.model_path,
         served_model_name=cfg.served_model_name or info.model_name or None,
+        runtime_data=data,
         llm=LlmRegistration(
             context_length=ec.context_length or None,
             kv_cache_block_size=ec.kv_block_size or None,

@@ -13,6 +13,9 @@ Two ways in, the same cycle and the same report:
   weights come from a folder or are streamed from the trainer's memory
   (``engine_contract.tensors``), no shared filesystem needed.
 
+Either finds its workers through Dynamo's discovery with ``from_discovery(namespace)``
+(``rl_client.fleet_discovery``: the workers registered now), instead of a list.
+
 For vLLM's trainer-side weight-transfer engines (NCCL; ``gloo`` on CPUs), two
 ``VLLMWeightSyncClient``s: ``ContractWeightSyncClient`` (the contract's phases,
 gRPC) and ``DynamoWeightSyncClient`` (a worker's RL routes, called as NeMo RL
@@ -62,6 +65,7 @@ from rl_client.committed import (
     PushedSource,
     WeightSource,
 )
+from rl_client.fleet_discovery import FleetDiscovery, FleetWorker, discover_workers
 from rl_client.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
 from rl_client.tls import TlsOptions
 
@@ -225,6 +229,31 @@ def _why(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name}: {e.details()}"
     return str(e) or type(e).__name__
+
+
+def _discovered(
+    namespace: str,
+    component: str,
+    model: str | None,
+    discovery: FleetDiscovery | None,
+    field_name: str,
+) -> list[FleetWorker]:
+    """The live workers found in discovery; ValueError when there are none, or one
+    has no ``field_name`` (a bridge serving no admin routes, say)."""
+    workers = discover_workers(namespace, component, model=model, discovery=discovery)
+    serving = f" serving {model!r}" if model is not None else ""
+    if not workers:
+        raise ValueError(
+            f"no live worker of {namespace}/{component}{serving} in discovery (none "
+            "registered, or none of them a bridge that publishes its RL record)"
+        )
+    lacking = [w for w in workers if getattr(w, field_name) is None]
+    if lacking:
+        raise ValueError(
+            f"{len(lacking)} of the {len(workers)} workers of {namespace}/{component}{serving} "
+            f"published no {field_name} (instances {[hex(w.instance_id) for w in lacking]})"
+        )
+    return workers
 
 
 async def _each(
@@ -527,6 +556,29 @@ class RefitClient(_Cycle):
         self._session = session
         self._own_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # The workers as discovery listed them (``from_discovery``), else empty.
+        self.discovered: list[FleetWorker] = []
+
+    @classmethod
+    def from_discovery(
+        cls,
+        namespace: str,
+        component: str = "backend",
+        *,
+        model: str | None = None,
+        discovery: FleetDiscovery | None = None,
+        **options: Any,
+    ) -> RefitClient:
+        """A client for the workers of ``namespace``/``component`` (serving ``model``,
+        when given) that are registered now, their admin URLs read from Dynamo's
+        discovery (``rl_client.fleet_discovery``; ``discovery``: the environment's by
+        default). ``options``: the constructor's. A blocking read: call it again for
+        each step to follow the fleet. ValueError when no worker is found, or one
+        serves no admin routes."""
+        workers = _discovered(namespace, component, model, discovery, "admin_url")
+        client = cls([str(w.admin_url) for w in workers], **options)
+        client.discovered = workers
+        return client
 
     async def __aenter__(self) -> RefitClient:
         return self
@@ -655,7 +707,37 @@ class EngineRefitClient(_Cycle):
             a: RefitRpc.connect(a, tls=tls, max_message_bytes=max_message_bytes)
             for a in engine_addresses
         }
+        # The workers as discovery listed them (``from_discovery``), else empty.
+        self.discovered: list[FleetWorker] = []
         self._chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
+
+    @classmethod
+    def from_discovery(
+        cls,
+        namespace: str,
+        component: str = "backend",
+        *,
+        model: str | None = None,
+        discovery: FleetDiscovery | None = None,
+        tls: TlsOptions | None = None,
+        **options: Any,
+    ) -> EngineRefitClient:
+        """A client for the engine servers of the workers of ``namespace``/``component``
+        (serving ``model``, when given) registered now, their addresses as each
+        bridge dials them, read from Dynamo's discovery (``rl_client.fleet_discovery``).
+        ``tls`` and ``options``: the constructor's. A blocking read; open it inside
+        the event loop that uses it. ValueError when no worker is found, or a
+        worker's bridge reaches its engine over TLS and no ``tls`` is given."""
+        workers = _discovered(namespace, component, model, discovery, "engine_address")
+        over_tls = [w for w in workers if w.engine_tls]
+        if over_tls and tls is None:
+            raise ValueError(
+                f"the engine servers {[w.engine_address for w in over_tls]} are reached over "
+                "TLS: give tls= (as the bridges' --engine-tls-* options)"
+            )
+        client = cls([str(w.engine_address) for w in workers], tls=tls, **options)
+        client.discovered = workers
+        return client
 
     async def __aenter__(self) -> EngineRefitClient:
         return self

@@ -5,16 +5,22 @@ A local Ray cluster (this machine's CPUs, no dashboard) runs
 the actor's loop, its bridge a child of the actor's worker process. A real
 Dynamo frontend (file discovery) serves them. However an actor ends (``ray.kill``,
 Ray's graceful exits, SIGTERM to its worker), its model must leave discovery
-within seconds and no process of its tree may stay behind.
+within seconds and no process of its tree may stay behind. A trainer finds the
+actors' workers through discovery (``rl_client.fleet_discovery``) to refit them,
+and a replacement actor takes no rollout before it serves the fleet's committed
+weights (``bridge/catch_up.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +30,25 @@ import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.checkpoints import tiny_weights_dir
 from harness.env import importable
 from harness.http import http_json
 from harness.listeners import process_tree
+from harness.metrics import scrape
+from harness.ports import free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
 from harness.waits import wait_until
 from rl_client import driver
+from rl_client.committed import (
+    CheckpointSource,
+    CommittedRecord,
+    CommittedWeights,
+    FileCommittedStore,
+)
+from rl_client.fleet_discovery import FileFleetDiscovery, FleetWorker
+from rl_client.refit import EngineRefitClient, RefitClient
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -89,26 +106,36 @@ def actors() -> Iterator[list[Any]]:
             pass
 
 
-def start_worker(
+def worker_actor(
     stack: Stack,
     actors: list[Any],
     name: str,
     *,
     model_dir: Path | None = None,
-    timeout: float = 120,
+    namespace: str | None = None,
+    env: dict[str, str] | None = None,
     **kwargs: Any,
-) -> tuple[Any, WorkerStatus]:
-    """A worker actor serving ``name`` in a namespace of its own, once listed."""
+) -> Any:
+    """A worker actor serving ``name`` (in a namespace of its own by default), not
+    started yet. ``env``: more of its bridge's environment (DYN_SYSTEM_PORT)."""
     actor = DynamoEngineActor.remote(
         model_path=str(model_dir or stack.model_dir),
         served_model_name=name,
-        namespace="ns" + "".join(c for c in name if c.isalnum()),
+        namespace=namespace or "ns" + "".join(c for c in name if c.isalnum()),
         # The stack's Dynamo settings; the bridge cannot import vllm or torch.
-        engine_env=stack.bridge_env(),
+        engine_env=stack.bridge_env(**(env or {})),
         exit_after_engine_gone_s=5.0,
         **kwargs,
     )
     actors.append(actor)
+    return actor
+
+
+def start_worker(
+    stack: Stack, actors: list[Any], name: str, *, timeout: float = 120, **kwargs: Any
+) -> tuple[Any, WorkerStatus]:
+    """A worker actor serving ``name`` in a namespace of its own, once listed."""
+    actor = worker_actor(stack, actors, name, **kwargs)
     status = ray.get(actor.start.remote(), timeout=timeout)
     stack.wait_models([name], timeout=60)
     return actor, status
@@ -267,6 +294,202 @@ def test_a_graceful_actor_exit_runs_rays_exit_and_the_bridge_leaves_first(
     assert seen["bridge"] <= seen["actor"], seen
     cause = death_cause(actor_id)
     assert GRACEFUL_EXITS[how] in cause, cause
+
+
+def listed_workers(discovery: FileFleetDiscovery, count: int) -> list[FleetWorker]:
+    return wait_until(
+        lambda: found if len(found := discovery.workers()) == count else None,
+        60,
+        f"{count} workers in discovery",
+    )
+
+
+async def test_the_fleet_refit_finds_its_ray_workers_through_discovery(
+    ray_stack: Stack, actors: list[Any]
+) -> None:
+    """Two worker actors; the trainer's refit clients are built from discovery (no
+    URL list), refit both; once one actor is killed, discovery drops it within
+    seconds and the next refit reaches the other only."""
+    name, namespace = "ray-fleet", "nsrayfleet"
+    ports = [free_system_port(), free_system_port()]
+    fleet = [
+        worker_actor(
+            ray_stack,
+            actors,
+            name,
+            namespace=namespace,
+            env={"DYN_SYSTEM_PORT": str(port)},
+            engine_args=SIM_ARGS,
+        )
+        for port in ports
+    ]
+    statuses = ray.get([actor.start.remote() for actor in fleet], timeout=120)
+    discovery = FileFleetDiscovery(ray_stack.kv_dir, namespace)
+    listed = listed_workers(discovery, 2)
+    # What each bridge published: its actor's engine server and its system port.
+    assert {w.engine_address for w in listed} == {s.address for s in statuses}
+    assert {w.admin_url for w in listed} == {f"http://127.0.0.1:{p}" for p in ports}
+    assert {w.model for w in listed} == {name}
+    ray_stack.wait_models([name], timeout=60)
+
+    store = FileCommittedStore(ray_stack.kv_dir, namespace)
+    started_on = CommittedWeights("0", CheckpointSource(str(ray_stack.model_dir)))
+    step_1 = str(tiny_weights_dir(1))
+    # Over the RL admin routes: the workers' admin URLs from discovery.
+    async with RefitClient.from_discovery(
+        namespace, discovery=discovery, committed=started_on, store=store
+    ) as trainer:
+        assert set(trainer.worker_urls) == {w.admin_url for w in listed}
+        report = await trainer.refit(step_1, "1")
+    assert report.ok, report.describe()
+    assert ray.get([actor.weight_version.remote() for actor in fleet]) == ["1", "1"]
+    result = await rollout(ray_stack, name)
+    assert result.weight_versions == [("1", 0, len(result.token_ids))]
+    # Over the contract: the engine servers' addresses from discovery.
+    async with EngineRefitClient.from_discovery(
+        namespace, discovery=discovery, store=store
+    ) as engines:
+        assert set(engines.engines) == {s.address for s in statuses}
+        report = await engines.refit("2", path=str(ray_stack.model_dir))
+    assert report.ok, report.describe()
+    assert ray.get([actor.weight_version.remote() for actor in fleet]) == ["2", "2"]
+
+    # ray.kill: that worker leaves the discovery answer within seconds.
+    survivor = statuses[0].address
+    assert len(discovery.workers()) == 2
+    ray.kill(fleet[1])
+    seen = timeline(
+        {"dropped": lambda: [w.engine_address for w in discovery.workers()] == [survivor]}
+    )
+    print(f"ray.kill: out of the discovery answer after {seen['dropped']:.2f}s")
+    assert seen["dropped"] < LEAVE_BOUND_S, seen
+    # The next step's refit, built from discovery again, reaches the survivor only.
+    async with RefitClient.from_discovery(namespace, discovery=discovery, store=store) as trainer:
+        assert len(trainer.worker_urls) == 1
+        report = await trainer.refit(step_1, "3")
+    assert report.ok, report.describe()
+    assert ray.get(fleet[0].weight_version.remote()) == "3"
+
+
+@dataclass
+class Sample:
+    at: float
+    listed: bool
+    # The engine's declared weight version (None: still its start checkpoint).
+    version: str | None
+    # Requests the engine holds (a paused engine holds every one it was sent).
+    requests: int
+
+
+class Sampler:
+    """Discovery, then the engine's own state, every 10 ms: a sample listed with its
+    engine on another version is a worker in the pool too early."""
+
+    def __init__(self, discovery: FileFleetDiscovery, address: str) -> None:
+        self.discovery = discovery
+        self.channel = grpc.insecure_channel(address)
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.channel.close()
+
+    def _run(self) -> None:
+        stub = pb_grpc.EngineServiceStub(self.channel)
+        while not self._stop.is_set():
+            listed = bool(self.discovery.workers())
+            try:
+                load = stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+            except grpc.RpcError:
+                load = None
+            version, requests = None, 0
+            if load is not None:
+                state = load.refit_state
+                version = state.weight_version if state.weight_version_declared else None
+                requests = load.registered_requests
+            self.samples.append(Sample(time.monotonic(), listed, version, requests))
+            self._stop.wait(0.01)
+
+    def first(self, check: Callable[[Sample], bool]) -> float | None:
+        return next((s.at for s in self.samples if check(s)), None)
+
+
+async def test_a_replacement_ray_worker_catches_up_before_it_serves(
+    ray_stack: Stack, actors: list[Any]
+) -> None:
+    """The fleet committed "7" (a checkpoint, in the record); a replacement actor's
+    engine starts on its own checkpoint, paused. Its bridge loads "7" and only then
+    registers: no sample sees it in discovery before its engine serves "7", no
+    request reaches the engine before, and every rollout it serves is on "7"."""
+    name, namespace, committed = "ray-catchup", "nsraycatchup", "7"
+    store = FileCommittedStore(ray_stack.kv_dir, namespace)
+    weights = CommittedWeights(committed, CheckpointSource(str(tiny_weights_dir(1))))
+    store.publish(CommittedRecord.now(weights, ["the-worker-it-replaces"]))
+    port = free_system_port()
+    actor = worker_actor(
+        ray_stack,
+        actors,
+        name,
+        namespace=namespace,
+        env={"DYN_SYSTEM_PORT": str(port)},
+        engine_args=(*SIM_ARGS, "--start-paused"),
+    )
+    started = time.monotonic()
+    status = await asyncio.to_thread(ray.get, actor.start.remote(), timeout=120)
+    assert status.address is not None
+    # Its engine serves, paused, its start checkpoint; its bridge is only starting.
+    assert status.weight_version == "default"
+    discovery = FileFleetDiscovery(ray_stack.kv_dir, namespace)
+    results: list[driver.RolloutResult] = []
+    stop = asyncio.Event()
+
+    async def drive(client: driver.RolloutClient) -> None:
+        """Rollouts all along: refused while the model is not listed (404), then served."""
+        while not stop.is_set():
+            try:
+                results.append(await client.rollout(PROMPT, greedy=True, max_tokens=8))
+            except driver.RolloutHTTPError as e:
+                if e.status != 404:
+                    raise
+                await asyncio.sleep(0.05)
+
+    with Sampler(discovery, status.address) as sampler:
+        async with driver.RolloutClient(ray_stack.base_url, name, timeout_s=60) as client:
+            task = asyncio.ensure_future(drive(client))
+            for _ in range(600):  # a minute at most
+                if len(results) >= 10 or task.done():
+                    break
+                await asyncio.sleep(0.1)
+            stop.set()
+            await task
+    samples = sampler.samples
+    too_early = [s for s in samples if s.listed and s.version != committed]
+    assert not too_early, too_early[:5]
+    reached_early = [s for s in samples if s.version != committed and s.requests]
+    assert not reached_early, reached_early[:5]
+    on_committed = sampler.first(lambda s: s.version == committed)
+    listed = sampler.first(lambda s: s.listed)
+    assert on_committed is not None and listed is not None
+    assert samples[0].version is None and not samples[0].listed, samples[0]
+    assert on_committed <= listed
+    assert len(results) >= 10
+    assert all(r.weight_versions == [(committed, 0, len(r.token_ids))] for r in results)
+    # The bridge's own measure of its catch-up (loaded the committed checkpoint).
+    metrics = scrape(f"http://127.0.0.1:{port}/metrics")
+    assert metrics.value("bridge_catch_up_seconds_count", source="checkpoint") == 1
+    catch_up_s = metrics.value("bridge_catch_up_seconds_sum", source="checkpoint")
+    print(
+        f"catch-up: {catch_up_s:.3f}s (bridge_catch_up_seconds); engine on {committed!r} "
+        f"{on_committed - started:.2f}s after the actor's start, in discovery "
+        f"{listed - on_committed:.2f}s later; {len(results)} rollouts, all on {committed!r}"
+    )
 
 
 @pytest.mark.vllm
