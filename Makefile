@@ -77,8 +77,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two pytest runs, both always run: the e2e suite (processes that mostly wait on
+# each other) on two workers, a file per worker (pytest-xdist: measured faster
+# there, see docs/testing.md); the rest in order, as their timing bounds were measured.
 test: $(STAMP) cluster-deps proto-check proto-lint lint
-	$(PY) -m pytest -q
+	@rc=0; \
+	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e || rc=1; \
+	$(PY) -m pytest -q --ignore=tests/e2e || rc=1; \
+	exit $$rc
 
 # Dynamo's cluster mode on real etcd and NATS, and a remote engine server over mTLS.
 test-cluster: $(STAMP) cluster-deps
