@@ -593,7 +593,9 @@ class RefitClient(_Cycle):
 
     async def _post(self, worker: str, route: str, body: dict[str, Any] | None) -> tuple[int, Any]:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # No cap on connections: every worker is called at once (aiohttp's default
+            # of 100 would queue a larger fleet's pause behind the first hundred).
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         async with self._session.post(
             f"{worker}/engine/{route}",
             json=body or {},
