@@ -107,10 +107,11 @@ run: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m scripts.soak --duration-s 600
 
-# A tiny GRPO run through frontend -> bridge -> vLLM engine server, weights streamed
-# back every step; reward curve in train-results/reward.png.
+# A tiny GRPO run through frontend (KV router) -> bridges -> vLLM engine servers in two
+# Ray actors, one killed mid-run and replaced, weights streamed back every step; reward
+# curve in train-results/reward.png. SINGLE=1: one worker as plain processes, no Ray.
 train-demo: $(STAMP)
-	$(PY) -m train_demo
+	$(PY) -m train_demo $(if $(SINGLE),--single)
 
 # The gRPC hop's cost, side by side with one process; table in bench-results/bench.md.
 bench: $(STAMP)

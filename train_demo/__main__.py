@@ -1,9 +1,13 @@
-"""``make train-demo``: a tiny GRPO run through frontend -> bridge -> vLLM engine server.
+"""``make train-demo``: a tiny GRPO run through frontend -> bridge -> vLLM engine servers.
 
-    python -m train_demo [--steps 25] [--fault-step 10] [--lr 2e-2] [--out train-results]
+    python -m train_demo [--steps 25] [--fault-step 10] [--workers 2 | --single]
+                         [--lr 2e-2] [--out train-results]
 
-A progress bar per step (reward, token_mult_prob_error, step time), then the
-reward curve as a PNG and the run as JSON in ``--out``, and a one-line summary.
+By default the generation workers are a fleet of Ray actors behind the KV
+router, one of them killed (``ray.kill``) at the fault step and replaced;
+``--single``: one worker as plain processes, its engine server killed and
+restarted. A progress bar per step (reward, token_mult_prob_error, step time),
+then the reward curve as a PNG and the run as JSON in ``--out``, and a summary.
 """
 
 from __future__ import annotations
@@ -36,10 +40,17 @@ def plot(result: RunResult, path: Path) -> None:
     bottom.plot(steps, [s.error for s in result.steps], marker=".", color="tab:red")
     bottom.set_ylabel("token_mult_prob_error")
     bottom.set_xlabel("step")
-    for s in result.steps:
-        if s.step > 1 and s.engine_restarts > result.steps[s.step - 2].engine_restarts:
-            top.axvline(s.step, color="grey", linestyle="--", label="engine killed")
-            top.legend()
+    fault = result.fault
+    if fault is not None:
+        top.axvline(fault.step, color="grey", linestyle="--", label=f"{fault.killed} killed")
+        if fault.joined_during_step and fault.replacement:
+            top.axvline(
+                fault.joined_during_step,
+                color="tab:green",
+                linestyle=":",
+                label=f"{fault.replacement} caught up ({fault.caught_up_to!r})",
+            )
+        top.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -48,7 +59,23 @@ def plot(result: RunResult, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train_demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--fault-step", type=int, default=10, help="kill -9 the engine (0: never)")
+    parser.add_argument(
+        "--fault-step", type=int, default=10, help="kill a worker mid-generation (0: never)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="generation workers in Ray actors (KV router)"
+    )
+    parser.add_argument(
+        "--rejoin-within",
+        type=int,
+        default=3,
+        help="steps after the fault by which the killed worker's replacement serves",
+    )
+    parser.add_argument(
+        "--single",
+        action="store_true",
+        help="one worker as plain processes (engine server, bridge), no Ray",
+    )
     parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "train-results")
@@ -59,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("rl_client.driver").setLevel(logging.ERROR)
 
+    if not args.single and args.workers < (2 if args.fault_step else 1):
+        parser.error("--workers: at least 2 with a fault step (a survivor), else at least 1")
     config = RunConfig(
-        steps=args.steps, learning_rate=args.lr, seed=args.seed, fault_step=args.fault_step
+        steps=args.steps,
+        learning_rate=args.lr,
+        seed=args.seed,
+        fault_step=args.fault_step,
+        workers=0 if args.single else args.workers,
+        rejoin_within=args.rejoin_within,
     )
     bar = tqdm(total=args.steps, unit="step", desc="GRPO")
 
@@ -70,12 +104,18 @@ def main(argv: list[str] | None = None) -> int:
             err=f"{stats.error:.5f}",
             gen=f"{stats.generation_s:.1f}s",
             refit=f"{stats.refit_s * 1000:.0f}ms",
+            workers=stats.refit_workers,
         )
         bar.update(1)
 
     root = Path(tempfile.mkdtemp(prefix="train-demo-"))
     try:
-        bar.write("starting the stack (vLLM engine server, bridge, Dynamo frontend)...")
+        what = (
+            "vLLM engine server, bridge"
+            if args.single
+            else f"a Ray cluster, {args.workers} vLLM workers in Ray actors"
+        )
+        bar.write(f"starting the stack ({what}, Dynamo frontend)...")
         result = asyncio.run(run(config, root, tiny_model_dir(), on_step))
     finally:
         bar.close()
