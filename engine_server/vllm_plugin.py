@@ -6,7 +6,9 @@ kill, a crashed host, a test) left its EngineCore running for nobody, holding
 the model's memory (on a GPU, the memory the restarted server then lacks). An
 engine server names itself in ``ENGINE_SERVER_PID`` before it starts vLLM; a
 direct child that finds that variable watches its parent and ends itself
-within half a second of its death (its own workers follow: vLLM's death pipe).
+within half a second of its death (its own workers follow: vLLM's death pipe);
+one whose engine server died before the plugin ran (killed while vLLM started)
+ends at once.
 
 ``request_amx_permission``:
 
@@ -48,10 +50,32 @@ OWNER_ENV = "ENGINE_SERVER_PID"
 _WATCH_INTERVAL_S = 0.5
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: it answered the signal
+
+
 def end_with_engine_server() -> None:
     owner = os.environ.get(OWNER_ENV, "")
-    if not owner.isdigit() or int(owner) == os.getpid() or os.getppid() != int(owner):
-        return  # the engine server itself, a process it did not start, or a grandchild
+    if not owner.isdigit() or int(owner) == os.getpid():
+        return  # not started under an engine server, or the engine server itself
+    if os.getppid() != int(owner):
+        if _alive(int(owner)):
+            return  # a grandchild, or a process the engine server did not start
+        # Its engine server died while vLLM was starting this process (an actor
+        # killed mid start-up): nobody would ever end it.
+        log.error("engine server (pid %s) was gone before this vLLM process started", owner)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def watch(owner: int) -> None:
         while os.getppid() == owner:
