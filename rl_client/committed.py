@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from engine_contract.labels import label_problem
 from engine_contract.tensors import Tensor
+from rl_client import etcd_gateway
 
 # Where the record lives in the store (Dynamo's buckets are v1/<name>).
 BUCKET = "v1/rl_weights"
@@ -200,10 +201,6 @@ class FileCommittedStore:
         self.path.unlink(missing_ok=True)
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 class EtcdCommittedStore:
     """The record as one etcd key with no lease (cluster mode), over etcd's v3 JSON
     gateway. ``endpoints``: as ``ETCD_ENDPOINTS`` lists them; each is tried in turn."""
@@ -216,40 +213,26 @@ class EtcdCommittedStore:
         *,
         timeout_s: float = 5.0,
     ) -> None:
-        if not endpoints:
-            raise ValueError("no etcd endpoints")
-        self.endpoints = [e.strip().rstrip("/") for e in endpoints if e.strip()]
+        self.endpoints = etcd_gateway.clean_endpoints(endpoints)
         self.key = f"{BUCKET}/{record_key(namespace, component)}".encode()
         self.timeout_s = timeout_s
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        errors = []
-        for endpoint in self.endpoints:
-            request = urllib.request.Request(
-                f"{endpoint}/v3/{path}",
-                data=json.dumps(body).encode(),
-                headers={"content-type": "application/json"},
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                    answer: dict[str, Any] = json.loads(resp.read())
-                    return answer
-            except (OSError, ValueError) as e:
-                errors.append(f"{endpoint}: {e}")
-        raise ConnectionError(f"etcd {path} failed on every endpoint: {'; '.join(errors)}")
+        return etcd_gateway.call(self.endpoints, path, body, self.timeout_s)
 
     def read(self) -> CommittedRecord | None:
-        answer = self._call("kv/range", {"key": _b64(self.key)})
+        answer = self._call("kv/range", {"key": etcd_gateway.b64(self.key)})
         kvs = answer.get("kvs") or []
         if not kvs:
             return None
         return CommittedRecord.from_json(base64.b64decode(kvs[0].get("value", "")))
 
     def publish(self, record: CommittedRecord) -> None:
-        self._call("kv/put", {"key": _b64(self.key), "value": _b64(record.to_json())})
+        value = etcd_gateway.b64(record.to_json())
+        self._call("kv/put", {"key": etcd_gateway.b64(self.key), "value": value})
 
     def delete(self) -> None:
-        self._call("kv/deleterange", {"key": _b64(self.key)})
+        self._call("kv/deleterange", {"key": etcd_gateway.b64(self.key)})
 
 
 def committed_store(
@@ -261,8 +244,7 @@ def committed_store(
     if backend == "file":
         return FileCommittedStore(file_store_root(env), namespace, component)
     if backend == "etcd":
-        endpoints = env.get("ETCD_ENDPOINTS", "http://localhost:2379").split(",")
-        return EtcdCommittedStore(endpoints, namespace, component)
+        return EtcdCommittedStore(etcd_gateway.env_endpoints(env), namespace, component)
     raise ValueError(
         f"DYN_DISCOVERY_BACKEND={backend!r}: the committed-weights record is kept in etcd "
         "or Dynamo's file store only"

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rl_client import etcd_gateway
 from rl_client.committed import file_store_root
 
 log = logging.getLogger(__name__)
@@ -246,14 +247,10 @@ class FileFleetDiscovery:
         return join(cards, instances, self.namespace, self.component, self.endpoint)
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 def _prefix_range(prefix: str) -> dict[str, str]:
     start = prefix.encode()
     end = start[:-1] + bytes([start[-1] + 1])
-    return {"key": _b64(start), "range_end": _b64(end)}
+    return {"key": etcd_gateway.b64(start), "range_end": etcd_gateway.b64(end)}
 
 
 class EtcdFleetDiscovery:
@@ -272,27 +269,12 @@ class EtcdFleetDiscovery:
         for what, value in (("namespace", namespace), ("component", component)):
             _check_name(what, value)
         _check_name("endpoint", endpoint)
-        self.endpoints = [e.strip().rstrip("/") for e in endpoints if e.strip()]
-        if not self.endpoints:
-            raise ValueError("no etcd endpoints")
+        self.endpoints = etcd_gateway.clean_endpoints(endpoints)
         self.namespace, self.component, self.endpoint = namespace, component, endpoint
         self.timeout_s = timeout_s
 
     def _txn(self, body: dict[str, Any]) -> dict[str, Any]:
-        errors = []
-        for endpoint in self.endpoints:
-            request = urllib.request.Request(
-                f"{endpoint}/v3/kv/txn",
-                data=json.dumps(body).encode(),
-                headers={"content-type": "application/json"},
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                    answer: dict[str, Any] = json.loads(resp.read())
-                    return answer
-            except (OSError, ValueError) as e:
-                errors.append(f"{endpoint}: {e}")
-        raise ConnectionError(f"etcd kv/txn failed on every endpoint: {'; '.join(errors)}")
+        return etcd_gateway.call(self.endpoints, "kv/txn", body, self.timeout_s)
 
     def workers(self) -> list[FleetWorker]:
         key = f"{self.namespace}/{self.component}/{self.endpoint}/"
@@ -334,7 +316,7 @@ def fleet_discovery(
     if backend == "file":
         return FileFleetDiscovery(file_store_root(env), namespace, component, endpoint=endpoint)
     if backend == "etcd":
-        endpoints = env.get("ETCD_ENDPOINTS", "http://localhost:2379").split(",")
+        endpoints = etcd_gateway.env_endpoints(env)
         return EtcdFleetDiscovery(endpoints, namespace, component, endpoint=endpoint)
     raise ValueError(
         f"DYN_DISCOVERY_BACKEND={backend!r}: workers are listed from etcd or Dynamo's "

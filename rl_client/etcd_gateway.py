@@ -1,0 +1,53 @@
+"""etcd's v3 JSON gateway, as the trainer's side reads and writes Dynamo's
+discovery store in cluster mode: no etcd client library (the ``driver`` extra
+stays small), a blocking call over the standard library, each endpoint tried in
+turn."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+DEFAULT_ENDPOINTS = "http://localhost:2379"
+
+
+def b64(data: bytes) -> str:
+    """A key or value as the gateway carries it."""
+    return base64.b64encode(data).decode()
+
+
+def env_endpoints(env: Mapping[str, str]) -> list[str]:
+    """The endpoints Dynamo's processes with this environment use (``ETCD_ENDPOINTS``)."""
+    return env.get("ETCD_ENDPOINTS", DEFAULT_ENDPOINTS).split(",")
+
+
+def clean_endpoints(endpoints: Sequence[str]) -> list[str]:
+    """``endpoints`` without blanks and trailing slashes; ValueError when none is left."""
+    cleaned = [e.strip().rstrip("/") for e in endpoints if e.strip()]
+    if not cleaned:
+        raise ValueError("no etcd endpoints")
+    return cleaned
+
+
+def call(
+    endpoints: Sequence[str], path: str, body: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """POST ``body`` to ``/v3/<path>`` on the first endpoint that answers;
+    ConnectionError naming every endpoint's failure when none does."""
+    errors = []
+    for endpoint in endpoints:
+        request = urllib.request.Request(
+            f"{endpoint}/v3/{path}",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+                answer: dict[str, Any] = json.loads(resp.read())
+                return answer
+        except (OSError, ValueError) as e:
+            errors.append(f"{endpoint}: {e}")
+    raise ConnectionError(f"etcd {path} failed on every endpoint: {'; '.join(errors)}")
