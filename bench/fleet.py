@@ -2,8 +2,8 @@
 plus a bridge (file discovery), for N = 1, 2, 4, 8 (``--fleet-sizes``):
 
 - the fleet refit's wall time (pause -> update -> label -> resume on every worker,
-  all or nothing: ``rl_client.refit``) against N, for a synthetic checkpoint of a
-  few hundred MB (``--fleet-mb``; ``refit_checkpoints.synthetic_model``), three
+  all or nothing: ``rl_client.fleet_cycle``) against N, for a synthetic checkpoint
+  of a few hundred MB (``--fleet-mb``; ``refit_checkpoints.synthetic_model``), three
   ways: the checkpoint folder loaded by every worker over the bridges' RL admin
   routes (``RefitClient``, as a trainer drives ``dynamo.vllm --enable-rl``) and
   over the contract (``EngineRefitClient(path=...)``), and the tensors pushed

@@ -115,7 +115,7 @@ def _connect(address: str, checkpoints: list[str]) -> tuple[Any, Any, list[Any]]
 
     from engine_server.weight_transfer_gloo import GlooTrainerInitInfo
     from harness.ports import free_port
-    from rl_client.refit import ContractWeightSyncClient
+    from rl_client.weight_sync import ContractWeightSyncClient
 
     load_general_plugins()  # what a trainer does: the engine server's plugin registers gloo
     sources = [

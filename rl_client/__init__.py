@@ -5,11 +5,13 @@
   bridge writes and the driver reads.
 - ``rl_client.batch``: a batch of rollouts as NeMo RL's ``GenerationOutputSpec``
   (numpy).
-- ``rl_client.refit``: the trainer's refit cycle (``RefitClient`` over the
-  workers' admin routes, ``EngineRefitClient`` and ``ContractWeightSyncClient``
-  over the contract); ``rl_client.refit_rpc``: the contract's refit RPCs, one
-  typed method each; ``rl_client.tls``: TLS options for the contract, the
-  bridge's own; ``rl_client.admin_token``: the workers' admin token.
+- ``rl_client.refit``: the trainer's fleet refit (``RefitClient`` over the
+  workers' admin routes, ``EngineRefitClient`` over the contract), the cycle
+  itself and its report in ``rl_client.fleet_cycle``; ``rl_client.weight_sync``:
+  vLLM's ``VLLMWeightSyncClient`` over the contract or the admin routes;
+  ``rl_client.refit_rpc``: the contract's refit RPCs, one typed method each;
+  ``rl_client.tls``: TLS options for the contract, the bridge's own;
+  ``rl_client.admin_token``: the workers' admin token.
 
 Kept import-free, and importable with the ``driver`` extra alone: no module
 here imports dynamo, vllm, torch, ``bridge`` or ``engine_server`` (tests keep it

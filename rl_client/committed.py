@@ -1,6 +1,6 @@
 """The fleet's committed weights: what every worker serves once a fleet refit commits.
 
-A trainer's fleet refit (``rl_client.refit``) is all or nothing, so after it the
+A trainer's fleet refit (``rl_client.fleet_cycle``) is all or nothing, so after it the
 whole fleet serves one version, and the trainer publishes that version and where
 its weights come from (a checkpoint folder, or pushed by the trainer) in
 Dynamo's discovery store, next to the workers' own records. A worker that

@@ -1,6 +1,6 @@
 """The trainer's keeper: engine servers that restart come back on the committed weights.
 
-A fleet refit (``rl_client.refit``) moves every engine server it reaches to the
+A fleet refit (``rl_client.fleet_cycle``) moves every engine server it reaches to the
 new version. One that restarts afterwards serves its start checkpoint (label
 "default"; paused, with ``--start-paused``), and its bridge keeps it out of the
 router's pool until it serves the fleet's committed weights

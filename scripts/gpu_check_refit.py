@@ -9,7 +9,7 @@ starts ``python -m engine_server --backend vllm`` on A with
 - the server states ``rl_capabilities`` (weight transfer "nccl", sleep);
 - NCCL: this process loads B on the GPU and sends it with vLLM's own
   ``NCCLTrainerWeightTransferEngine`` driven over the contract
-  (``rl_client.refit.ContractWeightSyncClient``), between Pause and Resume: greedy
+  (``rl_client.weight_sync.ContractWeightSyncClient``), between Pause and Resume: greedy
   rollouts then equal those after ``UpdateWeightsFromPath(B)`` on the same
   server, tokens and logprobs, and carry the version the update set;
 - sleep: ``Sleep(level 1)`` frees GPU memory (``torch.cuda.mem_get_info`` seen
@@ -62,7 +62,7 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
     from harness.ports import free_port
     from harness.procs import ProcessGroup
     from harness.tiny_model import tiny_model_dir
-    from rl_client.refit import ContractWeightSyncClient
+    from rl_client.weight_sync import ContractWeightSyncClient
 
     failures: list[str] = []
 

@@ -9,7 +9,7 @@ plain processes (``workers.ProcessStack``). Every engine server starts paused
 engine serves (the first ones, or one that replaced a dead worker) generates
 with the trainer's current policy only.
 
-Each step's refit is the all-or-nothing fleet refit (``rl_client.refit``:
+Each step's refit is the all-or-nothing fleet refit (``rl_client.fleet_cycle``:
 pause every worker, load, and only once every load succeeded label, publish,
 resume), and publishes the committed version in the discovery store
 (``rl_client.committed``: weights pushed by the trainer). So the bridge of a

@@ -22,8 +22,8 @@ from aiohttp import web
 from bridge.admin.rl_admin import INIT_TIMEOUT_ENV
 from engine_contract.refit_rules import PHASE_ORDER, PhaseRefusal
 from engine_contract.v1 import engine_pb2 as pb
-from rl_client.refit import DynamoWeightSyncClient, RouteError
 from rl_client.refit_rpc import RefitRpc
+from rl_client.weight_sync import DynamoWeightSyncClient, RouteError
 from tests.bridge.bridge_fakes import rl_admin, serve_loopback
 
 NEMO_FLAGS = {"allow_unpaused": True, "reset_prefix_cache": False}

@@ -68,7 +68,7 @@ from harness.tiny_model import tiny_model_dir
 from harness.waits import settle, wait_until
 from rl_client import driver
 from rl_client.batch import GenerationOutput, assemble
-from rl_client.refit import DynamoWeightSyncClient
+from rl_client.weight_sync import DynamoWeightSyncClient
 
 pytestmark = [
     pytest.mark.dynamo,

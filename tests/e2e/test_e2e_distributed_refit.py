@@ -39,7 +39,7 @@ from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from rl_client import driver
-from rl_client.refit import DynamoWeightSyncClient, RouteError
+from rl_client.weight_sync import DynamoWeightSyncClient, RouteError
 from tests.e2e.e2e_stack import VLLM_STACK_MARKS
 
 pytestmark = VLLM_STACK_MARKS

@@ -36,7 +36,8 @@ from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
 from rl_client import driver
 from rl_client.committed import CheckpointSource, CommittedWeights
-from rl_client.refit import Outcome, RefitClient, RefitError
+from rl_client.fleet_cycle import Outcome, RefitError
+from rl_client.refit import RefitClient
 
 pytestmark = pytest.mark.dynamo
 

@@ -36,16 +36,15 @@ from rl_client.committed import (
     PushedSource,
     WeightSource,
 )
-from rl_client.refit import (
+from rl_client.fleet_cycle import (
     Deadlines,
-    EngineRefitClient,
     Health,
     Outcome,
-    RefitClient,
     RefitError,
     _Cycle,
     _Previous,
 )
+from rl_client.refit import EngineRefitClient, RefitClient
 
 PROMPT = [(i * 37) % 800 + 5 for i in range(24)]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -50,7 +50,7 @@ from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
 from harness.ports import free_port
 from harness.procs import ProcessGroup
-from rl_client.refit import ContractWeightSyncClient
+from rl_client.weight_sync import ContractWeightSyncClient
 from tests.vllm_engine.test_vllm_refit import run, same
 
 pytestmark = pytest.mark.vllm
