@@ -1,14 +1,17 @@
 """Polling until something holds. Every wait takes a timeout and raises
-``WaitTimeout`` (a ``TimeoutError``) when it runs out, never returns quietly."""
+``WaitTimeout`` (a ``TimeoutError``) when it runs out, never returns quietly;
+and ``Sampler``, for the order in which things happened."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, Self, TypeVar
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class Watched(Protocol):
@@ -100,3 +103,36 @@ async def settle(count: Callable[[], int], quiet_s: float = 0.2, within_s: float
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
             return
+
+
+class Sampler(Generic[S]):
+    """``take()`` every ``interval_s`` on a thread of its own while in its block,
+    the samples kept in order: for checks on the order of two things other
+    processes do (a worker listed before its engine was ready), which a wait for
+    the final state cannot see. ``on_close`` runs after the last sample."""
+
+    def __init__(
+        self,
+        take: Callable[[], S],
+        interval_s: float = 0.01,
+        on_close: Callable[[], object] | None = None,
+    ) -> None:
+        self.samples: list[S] = []
+        self._take, self._interval_s, self._on_close = take, interval_s, on_close
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        if self._on_close is not None:
+            self._on_close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._take())
+            self._stop.wait(self._interval_s)

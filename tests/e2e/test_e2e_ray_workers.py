@@ -17,7 +17,6 @@ import asyncio
 import os
 import signal
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness import waits
 from harness.checkpoints import tiny_weights_dir
 from harness.env import importable
 from harness.http import http_json
@@ -381,41 +381,28 @@ class Sample:
     requests: int
 
 
-class Sampler:
+class Sampler(waits.Sampler[Sample]):
     """Discovery, then the engine's own state, every 10 ms: a sample listed with its
     engine on another version is a worker in the pool too early."""
 
     def __init__(self, discovery: FileFleetDiscovery, address: str) -> None:
         self.discovery = discovery
         self.channel = grpc.insecure_channel(address)
-        self.samples: list[Sample] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.stub = pb_grpc.EngineServiceStub(self.channel)
+        super().__init__(self._take, on_close=self.channel.close)
 
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        self.channel.close()
-
-    def _run(self) -> None:
-        stub = pb_grpc.EngineServiceStub(self.channel)
-        while not self._stop.is_set():
-            listed = bool(self.discovery.workers())
-            try:
-                load = stub.GetLoad(pb.GetLoadRequest(), timeout=5)
-            except grpc.RpcError:
-                load = None
-            version, requests = None, 0
-            if load is not None:
-                state = load.refit_state
-                version = state.weight_version if state.weight_version_declared else None
-                requests = load.registered_requests
-            self.samples.append(Sample(time.monotonic(), listed, version, requests))
-            self._stop.wait(0.01)
+    def _take(self) -> Sample:
+        listed = bool(self.discovery.workers())
+        try:
+            load = self.stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+        except grpc.RpcError:
+            load = None
+        version, requests = None, 0
+        if load is not None:
+            state = load.refit_state
+            version = state.weight_version if state.weight_version_declared else None
+            requests = load.registered_requests
+        return Sample(time.monotonic(), listed, version, requests)
 
     def first(self, check: Callable[[Sample], bool]) -> float | None:
         return next((s.at for s in self.samples if check(s)), None)

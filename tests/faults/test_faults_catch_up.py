@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness import waits
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
 from harness.metrics import scrape
 from harness.ports import free_port, free_system_port
@@ -240,36 +240,23 @@ class Sample:
     registered_requests: int
 
 
-class Sampler:
+class Sampler(waits.Sampler[Sample]):
     """Discovery first, then the engine's weight version: a sample with the worker
     registered and its engine on another version is a worker in the pool too early."""
 
     def __init__(self, fleet: Fleet, worker: Worker) -> None:
         self.fleet = fleet
         self.channel = engine_channel(worker.listen)
-        self.samples: list[Sample] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(self._take, on_close=self.channel.close)
 
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        self.channel.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            registered = self.fleet.registered()
-            load = refit_state(self.channel)
-            version = None
-            if load is not None and load.refit_state.weight_version_declared:
-                version = load.refit_state.weight_version
-            requests = load.registered_requests if load is not None else 0
-            self.samples.append(Sample(time.time(), registered, version, requests))
-            self._stop.wait(0.01)
+    def _take(self) -> Sample:
+        registered = self.fleet.registered()
+        load = refit_state(self.channel)
+        version = None
+        if load is not None and load.refit_state.weight_version_declared:
+            version = load.refit_state.weight_version
+        requests = load.registered_requests if load is not None else 0
+        return Sample(time.time(), registered, version, requests)
 
     def too_early(self, committed: str) -> list[Sample]:
         return [s for s in self.samples if s.registered == 2 and s.version != committed]
