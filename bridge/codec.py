@@ -257,7 +257,7 @@ def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
         "request_id": resp.request_id,
         "instance_id": resp.instance_id,
         "token_ids": list(resp.token_ids),
-        "logprobs": wire.finite_logprobs(resp.logprobs),
+        "logprobs": wire.encode_logprobs(resp.logprobs),
         "truncated": resp.truncated,
         "finish_reason": _WIRE_FINISH_REASONS.get(resp.finish_reason, "error"),
         "stop_reason": stop_reason(resp.matched_stop),

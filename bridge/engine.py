@@ -34,6 +34,7 @@ from bridge.admin.rl_endpoint import RlEndpoint
 from bridge.admin.system_server import SystemPort, SystemServer
 from bridge.config import BridgeConfig, parse_args
 from bridge.engine_link import EngineLink
+from bridge.engine_metrics import EngineSeries
 from bridge.fleet_record import runtime_data
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView
@@ -60,8 +61,17 @@ class BridgeEngine(LLMEngine):
         self.rl_admin = RlAdmin(
             lambda: self.link.client, self.registration, self.runner.engine_request_id
         )
+        # vLLM's series, added to the system port's /metrics as dynamo.vllm has them.
+        self.engine_series = EngineSeries(
+            lambda: (self.link.client, self.link.info), config.client.metrics_timeout_s
+        )
         self._system = (
-            SystemServer(system_port, self.rl_admin.routes(), config.admin_token)
+            SystemServer(
+                system_port,
+                self.rl_admin.routes(),
+                config.admin_token,
+                extra_metrics=self.engine_series.text,
+            )
             if system_port is not None
             else None
         )
@@ -85,10 +95,19 @@ class BridgeEngine(LLMEngine):
         return cls(bridge_config, system_port), worker_config
 
     async def register_prometheus(self, metrics_handle: Any) -> None:
-        """The bridge's own metrics (``bridge.metrics``) in the worker's /metrics."""
+        """The bridge's own metrics (``bridge.metrics``) in the worker's /metrics; the
+        engine's series (added by the system server) get the same labels."""
         from dynamo.common.backend.metrics import register_engine_registry
 
         register_engine_registry(metrics_handle, metrics.REGISTRY)
+        # dynamo.vllm names the model of its engine's series by its served name,
+        # as ``model`` and ``model_name`` (Dynamo's ``model`` here is the path).
+        served = self.config.served_model_name or self.config.model_path
+        self.engine_series.labels = {
+            **(metrics_handle.auto_labels or {}),
+            "model": served,
+            "model_name": served,
+        }
 
     async def start(self, worker_id: int) -> EngineConfig:
         cfg = self.config
@@ -131,8 +150,10 @@ class BridgeEngine(LLMEngine):
         self.registration.start(endpoint, self._worker_id)
         if self.config.enable_rl:
             system_url = self._system.address.url if self._system is not None else None
-            self._rl_endpoint = RlEndpoint(self.config, self.rl_admin.routes(), system_url)
-            self._rl_endpoint.start()
+            self._rl_endpoint = RlEndpoint(
+                self.config, self.rl_admin.routes(), system_url, endpoint.connection_id()
+            )
+            await self._rl_endpoint.start()
 
     def generate(
         self, request: GenerateRequest, context: Context

@@ -22,11 +22,11 @@ import grpc
 from dynamo._core import Context
 from dynamo.common.backend.engine import GenerateChunk, GenerateRequest
 from dynamo.common.backend.health_check import is_probe
-from dynamo.common.utils.token_ids import normalize_request_token_ids
 
 from bridge import codec, errors, metrics
 from bridge.client import EngineClient
 from bridge.config import BridgeConfig
+from bridge.dynamo_compat import normalize_request_token_ids
 from bridge.engine_link import EngineLink
 from bridge.generate_mux import PendingGenerate
 from bridge.rollout_mux import PendingRollout

@@ -40,7 +40,12 @@ this file and ``v1/__init__.py`` are written by hand.
 #      one whose weights or label change under them ends them with finish reason
 #      WEIGHT_VERSION_CHANGED and the tokens so far (an older server ignores the
 #      field: clients send it only to servers of WEIGHT_GUARD_REVISION or later).
-CONTRACT_REVISION = 8
+#   9  GetEngineMetrics: the engine's own Prometheus series (vLLM's ``vllm:``
+#      and ``lmcache:`` families) as exposition text, so that a client can
+#      publish them in its worker's /metrics as dynamo.vllm does (an older
+#      server answers UNIMPLEMENTED: clients call it only on servers of
+#      ENGINE_METRICS_REVISION or later).
+CONTRACT_REVISION = 9
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout
@@ -53,11 +58,14 @@ GENERATES_STREAM_REVISION = 4
 PACED_GENERATES_REVISION = 6
 # The first server revision that honours required_weight_version.
 WEIGHT_GUARD_REVISION = 8
+# The first server revision that serves GetEngineMetrics.
+ENGINE_METRICS_REVISION = 9
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
 __all__ = [
     "CONTRACT_REVISION",
+    "ENGINE_METRICS_REVISION",
     "GENERATES_STREAM_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",

@@ -70,6 +70,7 @@ def _servicer_methods(servicer: pb_grpc.EngineServiceServicer) -> dict[str, Call
         "SubscribeKvEvents": s.SubscribeKvEvents,
         "ResetPrefixCache": s.ResetPrefixCache,
         "GetLoad": s.GetLoad,
+        "GetEngineMetrics": s.GetEngineMetrics,
         "PauseGeneration": s.PauseGeneration,
         "ResumeGeneration": s.ResumeGeneration,
         "IsPaused": s.IsPaused,

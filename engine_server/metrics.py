@@ -15,6 +15,10 @@ that apart: ``EngineOutput`` carries no timestamps); **total** both.
 
 The endpoint is a minimal HTTP server on the server's own event loop (no thread
 reading the server's state while the loop changes it): ``GET /metrics``.
+
+``engine_series`` is the engine's own part of the registry (``GetEngineMetrics``):
+what a Dynamo worker of that engine publishes, so that the bridge can publish it
+in its worker's ``/metrics`` wherever this server runs.
 """
 
 from __future__ import annotations
@@ -122,6 +126,10 @@ STREAM_ITEMS_PER_MESSAGE = Histogram(
     ["stream"],
     buckets=PER_MESSAGE_BUCKETS,
 )
+
+# The engine's own families: those dynamo.vllm forwards from prometheus_client's
+# registry into its worker's /metrics (its ``engine_metric_prefixes``).
+ENGINE_PREFIXES = ("vllm:", "lmcache:")
 
 ABORT_CLIENT_CANCEL = ABORTS.labels("client_cancel")
 ABORT_RPC = ABORTS.labels("abort_rpc")
@@ -278,6 +286,30 @@ class MetricsEndpoint:
         if request_line[1].split(b"?", 1)[0] not in (b"/metrics", b"/"):
             return b"404 Not Found", b"GET /metrics\n", "text/plain"
         return b"200 OK", generate_latest(self._registry), CONTENT_TYPE_LATEST
+
+
+class _Only(Collector):
+    """The families of ``registry`` whose names start with ``prefixes``."""
+
+    def __init__(self, registry: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
+        self._registry = registry
+        self._prefixes = prefixes
+
+    def collect(self) -> Iterable[Metric]:
+        return (m for m in self._registry.collect() if m.name.startswith(self._prefixes))
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def engine_series(
+    registry: CollectorRegistry = REGISTRY, prefixes: tuple[str, ...] = ENGINE_PREFIXES
+) -> str:
+    """The engine's families of ``registry`` as exposition text (``GetEngineMetrics``),
+    read now; empty when it has none (the simulated engine)."""
+    only = CollectorRegistry(auto_describe=False)
+    only.register(_Only(registry, prefixes))
+    return generate_latest(only).decode()
 
 
 def samples(registry: CollectorRegistry = REGISTRY) -> Iterator[tuple[str, dict[str, str], float]]:

@@ -591,9 +591,14 @@ class RefitControl:
         info = _json_object("update_info_json", update_info_json, arrays=True)
         async with self._lock:
             self._transfer_started()
-            await self._transfer_step(
-                self._changing(self._backend.update_weights(info)), "UpdateWeights", _LOADING
-            )
+            try:
+                await self._transfer_step(
+                    self._changing(self._backend.update_weights(info)), "UpdateWeights", _LOADING
+                )
+            except WeightUpdateError as e:  # refused before the engine saw it
+                raise InvalidRequest(
+                    "update_info_json", f"{e}; nothing was loaded, the weights serving stay"
+                ) from e
 
     async def finish_weight_update(
         self, request: pb.FinishWeightUpdateRequest

@@ -22,7 +22,7 @@ from engine_server.admission import check_id_length
 from engine_server.core import ServerCore
 from engine_server.errors import CapacityExceeded, StreamStalled
 from engine_server.generate_stream import GenerateStream
-from engine_server.metrics import ABORT_WATCHDOG
+from engine_server.metrics import ABORT_WATCHDOG, engine_series
 from engine_server.rollout_stream import RolloutStream
 from engine_server.status import rpc
 from engine_server.tagged_stream import TaggedStream
@@ -170,6 +170,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadResponse:
         return self._core.load()
+
+    @rpc
+    async def GetEngineMetrics(
+        self, request: pb.GetEngineMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetEngineMetricsResponse:
+        # On the loop, as the metrics endpoint: a few milliseconds for vLLM's families.
+        return pb.GetEngineMetricsResponse(text=engine_series())
 
     # -- the refit cycle (RefitControl holds its rules) -------------------------
 

@@ -28,7 +28,8 @@ runs. It does nothing elsewhere (CUDA builds, CPUs without AMX).
 torch.distributed gloo, in vLLM's worker and trainer factories, so that
 ``--weight-transfer-config '{"backend": "gloo"}'`` works in the engine's
 workers and a trainer that calls ``vllm.plugins.load_general_plugins()`` can
-send with it. Lazily: the module is imported only when an engine is created.
+send with it (vLLM 0.32; 0.23 has no trainers' factory, see
+``engine_server.vllm_compat``). Lazily: the module is imported only when an engine is created.
 
 Kept free of imports beyond the standard library until it runs: vLLM loads
 plugins in every process it starts.
@@ -104,15 +105,11 @@ _GLOO_MODULE = "engine_server.weight_transfer_gloo"
 
 
 def register_gloo_weight_transfer() -> None:
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    from engine_server.vllm_compat import weight_transfer_factories
 
-    for factory, class_name in (
-        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
-    ):
+    # The workers' factory, and the trainers' where vLLM has one (0.32, not 0.23).
+    class_names = ("GlooWeightTransferEngine", "GlooTrainerWeightTransferEngine")
+    for factory, class_name in zip(weight_transfer_factories(), class_names, strict=False):
         try:
             factory.register_engine(GLOO_BACKEND, _GLOO_MODULE, class_name)
         except ValueError:  # already there: registered before in this process

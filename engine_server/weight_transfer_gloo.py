@@ -18,7 +18,7 @@ CI, and across hosts without NCCL:
   checks) with rank 0 opened on gloo. Imports only torch and vLLM, so a trainer
   can use it without the engine server's dependencies.
 
-Chunks are vLLM's (``packed_tensor.pack_tensors``/``unpack_tensor``): both sides
+Chunks are vLLM's (``packed_tensor.pack_tensors``): both sides
 cut them by running ``pack_tensors`` over meta tensors (the worker's built from
 the update info), so they agree by construction. Within a chunk, what travels is
 cut finer (``runs``): a tensor of ``COALESCE_BYTES`` or more is broadcast alone,
@@ -28,7 +28,7 @@ model's ``load_weights`` every ``LOAD_BYTES`` (and at each chunk's end) while th
 next runs arrive, so loading overlaps the transfer and a 1 GB chunk never needs
 1 GB of buffers; ``packed_num_buffers`` x ``LOAD_BYTES`` are in flight (gloo
 broadcasts are asynchronous). ``packed: false`` makes each tensor its own chunk.
-As for NCCL, ``unpack_tensor`` views each tensor in place, so a tensor packed
+As for NCCL, each tensor is a view of its received bytes, so a tensor packed
 after others must start at a byte offset its element size divides (a model of
 one dtype always does).
 
@@ -60,17 +60,8 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    VLLMWeightSyncClient,
-    WeightSource,
-    WeightTransferInitInfo,
-)
-from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import (
-    NCCLTrainerInitInfo,
-    NCCLTrainerWeightTransferEngine,
     NCCLWeightTransferEngine,
     NCCLWeightTransferUpdateInfo,
 )
@@ -79,7 +70,12 @@ from vllm.distributed.weight_transfer.packed_tensor import (
     DEFAULT_PACKED_NUM_BUFFERS,
     PackedChunk,
     pack_tensors,
-    unpack_tensor,
+)
+
+from engine_server.vllm_compat import (
+    HAS_TRAINER_ENGINES,
+    mtp_check_disabled,
+    stateless_gloo_group,
 )
 
 BACKEND = "gloo"
@@ -98,9 +94,7 @@ def open_group(
     never comes."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)
-    )
+    return stateless_gloo_group(host, port, rank, world_size, timedelta(seconds=timeout_s))
 
 
 def _wire_tensor(item: tuple[str, torch.Tensor]) -> torch.Tensor:
@@ -118,11 +112,17 @@ def _cut(
     prepare: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
 ) -> Iterator[PackedChunk]:
     """``pack_tensors`` chunks; ``None``: one tensor per chunk (unpacked)."""
+
+    def flat(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        # 1-d for vLLM 0.23's pack_tensors, which views the tensor as bytes first
+        # (a 0-d float16 cannot be); the chunk keeps the original shape.
+        return prepare(item).reshape(-1)
+
     if buffer_size_bytes is None:
         for pair in pairs:
-            yield pack_tensors(iter([pair]), prepare, sys.maxsize)
+            yield pack_tensors(iter([pair]), flat, sys.maxsize)
         return
-    while (chunk := pack_tensors(pairs, prepare, buffer_size_bytes)) is not None:
+    while (chunk := pack_tensors(pairs, flat, buffer_size_bytes)) is not None:
         yield chunk
 
 
@@ -234,7 +234,15 @@ class _Arrival:
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         c, r = self.chunk, slice(self.run.start, self.run.stop)
-        return unpack_tensor(self.buffer, c.names[r], c.shapes[r], c.dtypes[r], c.tensor_sizes[r])
+        parts = self.buffer.split(c.tensor_sizes[r])
+        # Views of the buffer, as vLLM's unpack_tensor gives (whose 0.23 form
+        # cannot shape a 0-d tensor).
+        return [
+            (name, part.view(dtype).view(shape))
+            for name, shape, dtype, part in zip(
+                c.names[r], c.shapes[r], c.dtypes[r], parts, strict=True
+            )
+        ]
 
 
 def receive_packed(
@@ -370,17 +378,21 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        if torch.accelerator.is_available():  # loads went to the device: the base syncs it
-            super().update_weights(update_info)
-        else:  # the CPU build: nothing to synchronize (the base would raise)
-            self.receive_weights(self.parse_update_info(update_info))
+        """vLLM 0.32's entry (0.23's worker calls ``receive_weights`` itself)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():  # loads went to the device
+            torch.accelerator.synchronize()  # (the CPU build has none: it would raise)
 
-    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+    def receive_weights(
+        self,
+        update_info: GlooWeightTransferUpdateInfo,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+    ) -> None:
+        """``load_weights``: the loader vLLM 0.23's worker hands in; 0.32 leaves it
+        to the engine (the model's own)."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialized: call init first")
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
+        load = self.model.load_weights if load_weights is None else load_weights
 
         def this_round(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -394,100 +406,148 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
             ),
         )
         num_buffers = this_round(update_info.packed_num_buffers, self.packed_num_buffers)
-        with disable_mtp_completeness_check():
-            receive_packed(self.group, layout, self.model.load_weights, num_buffers)
+        with mtp_check_disabled():
+            receive_packed(self.group, layout, load, num_buffers)
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+
+    # vLLM 0.23's trainer API (static, on the worker's engine class: 0.23 has no
+    # trainer engines), for a trainer written against it, as NeMo RL's is.
+    @staticmethod
+    def trainer_init(init_info: dict[str, Any] | Any) -> Group:
+        """Open rank 0 of the group (``master_address``, ``master_port``,
+        ``world_size``, optional ``timeout_s``) while the workers join it."""
+        info = init_info if isinstance(init_info, dict) else vars(init_info)
+        return open_group(
+            info["master_address"],
+            int(info["master_port"]),
+            0,
+            int(info["world_size"]),
+            float(info.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        )
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: dict[str, Any] | Any
+    ) -> None:
+        """Send one round to the workers' ``update_weights`` (running meanwhile),
+        as ``NCCLWeightTransferEngine.trainer_send_weights`` does: ``group`` from
+        ``trainer_init``; ``packed`` and its buffer options as in the update info."""
+        args = trainer_args if isinstance(trainer_args, dict) else vars(trainer_args)
+        post = args.get("post_iter_func")
+        pairs = iterator if post is None else ((name, post((name, t))) for name, t in iterator)
+        if args.get("src", SRC) != SRC:
+            raise ValueError(f"gloo sends from rank {SRC}, not {args['src']}")
+        send_packed(
+            args["group"],
+            pairs,
+            _buffer_bytes(
+                bool(args.get("packed", False)),
+                int(args.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)),
+            ),
+            int(args.get("packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)),
+        )
 
 
 # -- the trainer's side ---------------------------------------------------------
 
+# vLLM 0.32's trainer engines (0.23 has none: see the worker engine's static API).
+if HAS_TRAINER_ENGINES:
+    from vllm.distributed.weight_transfer.base import (
+        ParamMeta,
+        VLLMWeightSyncClient,
+        WeightSource,
+    )
+    from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
 
-@dataclass
-class GlooTrainerInitInfo(NCCLTrainerInitInfo):
-    """NCCL's trainer init info (``master_address``, ``master_port``,
-    ``world_size``, keyword ``rank``, packing options) for ``gloo``, plus the
-    rendezvous and per-broadcast ``timeout_s``."""
+    @dataclass
+    class GlooTrainerInitInfo(NCCLTrainerInitInfo):
+        """NCCL's trainer init info (``master_address``, ``master_port``,
+        ``world_size``, keyword ``rank``, packing options) for ``gloo``, plus the
+        rendezvous and per-broadcast ``timeout_s``."""
 
-    backend: ClassVar[str] = BACKEND
-    timeout_s: float = DEFAULT_TIMEOUT_S
+        backend: ClassVar[str] = BACKEND
+        timeout_s: float = DEFAULT_TIMEOUT_S
 
+    class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+        """vLLM's NCCL trainer engine (its ``send_weights`` round trip: start, the
+        worker's update concurrently with the broadcast, finish) on a gloo group."""
 
-class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
-    """vLLM's NCCL trainer engine (its ``send_weights`` round trip: start, the
-    worker's update concurrently with the broadcast, finish) on a gloo group."""
+        init_info_cls = GlooTrainerInitInfo
 
-    init_info_cls = GlooTrainerInitInfo
+        def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.timeout_s = timeout_s
+            self.group: Group | None = None
 
-    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.timeout_s = timeout_s
-        self.group: Group | None = None
-
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: GlooTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> GlooTrainerWeightTransferEngine:
-        if source is None:
-            raise ValueError("gloo trainer weight transfer requires a WeightSource")
-        engine = cls(
-            client=client,
-            source=source,
-            is_sender=init_info.is_sender,
-            packed=init_info.packed,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            packed_num_buffers=init_info.packed_num_buffers,
-            timeout_s=init_info.timeout_s,
-        )
-        if not engine.is_sender:  # only joins the trainer-side gathers in send_weights
+        @classmethod
+        def trainer_init(
+            cls,
+            init_info: GlooTrainerInitInfo,
+            *,
+            client: VLLMWeightSyncClient,
+            source: WeightSource | None = None,
+        ) -> GlooTrainerWeightTransferEngine:
+            if source is None:
+                raise ValueError("gloo trainer weight transfer requires a WeightSource")
+            engine = cls(
+                client=client,
+                source=source,
+                is_sender=init_info.is_sender,
+                packed=init_info.packed,
+                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+                packed_num_buffers=init_info.packed_num_buffers,
+                timeout_s=init_info.timeout_s,
+            )
+            if not engine.is_sender:  # only joins the trainer-side gathers in send_weights
+                return engine
+            worker_info = GlooWeightTransferInitInfo(
+                master_address=init_info.master_address,
+                master_port=init_info.master_port,
+                rank_offset=1,  # after the one sender, as NCCL's
+                world_size=init_info.world_size,
+                packed=init_info.packed,
+                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+                packed_num_buffers=init_info.packed_num_buffers,
+                timeout_s=init_info.timeout_s,
+            )
+            # The workers' init blocks in the rendezvous until rank 0 opens: ask them on
+            # a side thread while this thread opens rank 0.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                joined = pool.submit(
+                    client.init_weight_transfer_engine, worker_init_payload(worker_info)
+                )
+                engine.group = open_group(
+                    init_info.master_address,
+                    init_info.master_port,
+                    0,
+                    init_info.world_size,
+                    init_info.timeout_s,
+                )
+                joined.result()  # the inference side's error, if any
             return engine
-        worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address,
-            master_port=init_info.master_port,
-            rank_offset=1,  # after the one sender, as NCCL's
-            world_size=init_info.world_size,
-            packed=init_info.packed,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            packed_num_buffers=init_info.packed_num_buffers,
-            timeout_s=init_info.timeout_s,
-        )
-        # The workers' init blocks in the rendezvous until rank 0 opens: ask them on
-        # a side thread while this thread opens rank 0.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(
-                client.init_weight_transfer_engine, worker_init_payload(worker_info)
-            )
-            engine.group = open_group(
-                init_info.master_address,
-                init_info.master_port,
-                0,
-                init_info.world_size,
-                init_info.timeout_s,
-            )
-            joined.result()  # the inference side's error, if any
-        return engine
 
-    def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> None:
-        if not self.is_sender:
-            super()._broadcast(source, meta)  # only the trainer-side gathers
-            return
-        if self.group is None:
-            raise RuntimeError("trainer_init() must be called before send_weights()")
-        send_packed(
-            self.group,
-            self._checked_iter(source, meta),
-            _buffer_bytes(self.packed, self.packed_buffer_size_bytes),
-            self.packed_num_buffers,
-        )
+        def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> None:
+            if not self.is_sender:
+                super()._broadcast(source, meta)  # only the trainer-side gathers
+                return
+            if self.group is None:
+                raise RuntimeError("trainer_init() must be called before send_weights()")
+            send_packed(
+                self.group,
+                self._checked_iter(source, meta),
+                _buffer_bytes(self.packed, self.packed_buffer_size_bytes),
+                self.packed_num_buffers,
+            )
 
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        def shutdown(self) -> None:
+            if self.group is not None:
+                self.group.shutdown()
+                self.group = None

@@ -3,6 +3,7 @@ the worker's /health), and what this process can import."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
@@ -33,7 +34,9 @@ def dynamo_env(kv_dir: Path, **extra: str) -> dict[str, str]:
         "DYN_REQUEST_PLANE": "tcp",
         "DYN_EVENT_PLANE": "zmq",
         "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        # An interface name: ai-dynamo 1.3.0.post1 takes only that here (an address
+        # fails every model: "Interface not found"), 1.6.1 an address or a name.
+        "DYN_TCP_RESPONSE_STREAM_HOST": "lo",
         "DYN_SYSTEM_HOST": "127.0.0.1",
         "DYN_EVENT_PLANE_HOST": "127.0.0.1",
         "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
@@ -42,6 +45,21 @@ def dynamo_env(kv_dir: Path, **extra: str) -> dict[str, str]:
         "NO_COLOR": "1",
         **extra,
     }
+
+
+def dynamo_version() -> tuple[int, ...]:
+    """The installed ai-dynamo's release numbers (``1.3.0.post1`` -> ``(1, 3, 0)``)."""
+    release = importlib.metadata.version("ai-dynamo").split(".post")[0]
+    return tuple(int(part) for part in release.split(".")[:3])
+
+
+def frontend_maps_worker_errors() -> bool:
+    """Whether the installed Dynamo frontend answers a worker's failure with its own
+    status (1.6: 503 for an engine that could not finish, 400 for a refused request).
+    1.3.0.post1's answers a non-streamed request that failed at the worker with HTTP
+    500 "Failed to fold completions stream", whatever the worker raised: still
+    retryable, never a result that looks whole. Tests say which they expect."""
+    return dynamo_version() >= (1, 6)
 
 
 def blocking_env(*packages: str) -> dict[str, str]:

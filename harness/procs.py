@@ -242,6 +242,27 @@ class ProcessGroup:
         return self.spawn(name, argv, env, Role.FRONTEND), f"http://127.0.0.1:{port}"
 
 
+def worker_children(pid: int) -> dict[str, int]:
+    """An ``engine_worker`` launcher's live children by kind ("engine-server", "bridge")."""
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) != pid or fields[0] == "Z":
+            continue
+        if b"engine_server" in cmdline:
+            found["engine-server"] = int(entry.name)
+        elif b"bridge" in cmdline:
+            found["bridge"] = int(entry.name)
+    return found
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` (0 once it is gone)."""
     try:

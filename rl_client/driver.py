@@ -248,7 +248,7 @@ def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
         raise WireError(f"rollout wire object has unknown keys {unknown}")
     try:
         token_ids = [int(t) for t in obj["token_ids"]]
-        logprobs = [float(x) for x in obj["logprobs"]]
+        logprobs = wire.decode_logprobs(obj["logprobs"], obj["version"])
         truncated = obj["truncated"]
         finish_reason = obj["finish_reason"]
     except (KeyError, TypeError, ValueError) as e:

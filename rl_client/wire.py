@@ -9,16 +9,19 @@ the result in one piece whatever the frontend does with other keys. An
 ordinary chat or completion that asks for ``engine_data`` gets the token bundle
 instead (``read_token_bundle``): the keys dynamo.vllm writes and NeMo-Gym reads.
 
-Floats: finite float64 values pass through JSON bit-exactly (Python writes the
-shortest round-trip repr; the frontend re-serialises with a round-trip
-formatter). JSON has no -inf or NaN, so every non-finite logprob becomes
-``LOGPROB_FLOOR`` (NeMo RL's HTTP floor), the one rule for the whole bridge.
+Floats: the rollout's logprobs travel as the base64 of their little-endian
+float64 bytes (wire 3), not as JSON numbers: the frontend parses ``engine_data``
+into numbers and writes them out again, and Dynamo 1.3.0.post1's frontend parses
+some doubles one unit in the last place off (1.6.1's round-trips them). Bytes
+pass any frontend unchanged. JSON has no -inf or NaN, so every non-finite logprob
+becomes ``LOGPROB_FLOOR`` (NeMo RL's HTTP floor), the one rule for the whole bridge.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +29,11 @@ from typing import Any
 from engine_contract.dtypes import TENSOR_DTYPE_BYTES
 
 WIRE_KEY = "rollout"
-# 2 added "weight_versions"; this driver reads both, but a driver of wire 1
-# refuses wire 2 (it checked the version exactly): upgrade drivers with bridges.
-WIRE_VERSION = 2
-READABLE_WIRE_VERSIONS = frozenset({1, 2})
+# 2 added "weight_versions"; 3 carries "logprobs" as float64 bytes (base64) instead
+# of JSON numbers. This driver reads all three, but an older driver refuses a newer
+# wire (it checks the version exactly): upgrade drivers with bridges.
+WIRE_VERSION = 3
+READABLE_WIRE_VERSIONS = frozenset({1, 2, 3})
 
 # The finish reason of a rollout that named the weight version it requires and
 # was ended because the weights changed under it (contract revision 8): the
@@ -126,6 +130,27 @@ def finite_logprob(value: float) -> float:
 
 def finite_logprobs(values: Iterable[float]) -> list[float]:
     return [v if math.isfinite(v) else LOGPROB_FLOOR for v in values]
+
+
+def encode_logprobs(values: Iterable[float]) -> str:
+    """Logprobs (non-finite ones floored) as the base64 of little-endian float64 bytes."""
+    floored = finite_logprobs(values)
+    return base64.b64encode(struct.pack(f"<{len(floored)}d", *floored)).decode("ascii")
+
+
+def decode_logprobs(value: Any, version: int) -> list[float]:
+    """A wire object's ``logprobs``: float64 bytes from wire 3, numbers before it."""
+    if version < 3:
+        return [float(x) for x in value]
+    if not isinstance(value, str):
+        raise WireError("rollout 'logprobs' must be base64 float64 bytes")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError as e:
+        raise WireError(f"rollout 'logprobs' is not base64: {e}") from e
+    if len(raw) % 8:
+        raise WireError(f"rollout 'logprobs' holds {len(raw)} bytes, not whole float64s")
+    return list(struct.unpack(f"<{len(raw) // 8}d", raw))
 
 
 def encode_routed_experts(data: bytes, dtype: str, shape: Sequence[int]) -> dict[str, Any]:

@@ -12,6 +12,14 @@ starts ``python -m engine_server --backend vllm`` on A with
   (``rl_client.weight_sync.ContractWeightSyncClient``), between Pause and Resume: greedy
   rollouts then equal those after ``UpdateWeightsFromPath(B)`` on the same
   server, tokens and logprobs, and carry the version the update set;
+- NeMo RL's bodies over NCCL: vLLM's trainer engine sends A back through a
+  client that passes what NeMo RL's refit sends (``NemoRlBodies``): its init
+  info (the rendezvous, plus ``"packed": true``, which vLLM 0.32 takes at init
+  only) and ``"packed": true`` in every update's info, which the engine server
+  checks against the init and drops (``backends/vllm/transfer_packing.py``):
+  A's outputs again, under the version it set. Then an update whose
+  ``"packed": false`` disagrees with that init: INVALID_ARGUMENT before the
+  engine sees it, and the weights serving stay;
 - sleep: ``Sleep(level 1)`` frees GPU memory (``torch.cuda.mem_get_info`` seen
   from this process), health turns NOT_SERVING, ``WakeUp`` serves the same
   outputs as before the sleep;
@@ -43,6 +51,32 @@ def greedy(stub, prompts: list[list[int]]) -> list[tuple[list[int], list[float],
         answer = greedy_rollout(stub, prompt, 24, timeout=120)
         out.append((*tokens_and_logprobs(answer), version_spans(answer)))
     return out
+
+
+# NeMo RL's init info keys (nemo_rl/models/generation/dynamo/refit.py).
+NEMO_RL_INIT_KEYS = ("master_address", "master_port", "rank_offset", "world_size")
+
+
+class NemoRlBodies:
+    """A weight-sync client passing on what NeMo RL's refit sends (it was written
+    for vLLM 0.23): the init info's rendezvous keys, plus ``"packed": true`` (vLLM
+    0.32 packs only as the init says), and ``"packed": true`` in each update's info."""
+
+    def __init__(self, client) -> None:  # type: ignore[no-untyped-def]
+        self.client = client
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:  # type: ignore[type-arg]
+        nemo = {key: init_info[key] for key in NEMO_RL_INIT_KEYS}
+        self.client.init_weight_transfer_engine({**nemo, "packed": True})
+
+    def start_weight_update(self) -> None:
+        self.client.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:  # type: ignore[type-arg]
+        self.client.update_weights({**update_info, "packed": True})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.client.finish_weight_update()
 
 
 def check(work: Path, results: dict[str, object]) -> list[str]:
@@ -163,7 +197,66 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
             and all(r[2] == [("nccl-b", 0, len(r[0]))] for r in kept),
             "after ShutdownWeightTransferEngine: the same outputs, still version nccl-b",
         )
+        engine.shutdown()
         client.close()
+
+        # NeMo RL's bodies ("packed": true per update) over NCCL: A back from GPU memory.
+        trainer_a = LlamaForCausalLM.from_pretrained(str(model_a), dtype=torch.float32).cuda()
+        nemo_client = ContractWeightSyncClient(address, weight_version="nemo-a", timeout_s=300)
+        init = NCCLTrainerInitInfo(
+            master_address="127.0.0.1", master_port=free_port(), world_size=2
+        )
+        nemo = NCCLTrainerWeightTransferEngine.trainer_init(
+            init, client=NemoRlBodies(nemo_client), source=ModuleSource(trainer_a)
+        )
+        started = time.monotonic()
+        stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+        nemo.send_weights()
+        stub.ResumeGeneration(pb.ResumeGenerationRequest())
+        results["nemo_rl_nccl_seconds"] = round(time.monotonic() - started, 3)
+        back = greedy(stub, prompts)
+        expect(
+            [r[:2] for r in back] == [r[:2] for r in before]
+            and all(r[2] == [("nemo-a", 0, len(r[0]))] for r in back),
+            "NeMo RL's bodies ('packed': true per update) over NCCL: A's outputs, version nemo-a",
+        )
+
+        # A packing the group's init did not set: refused before the engine sees it
+        # (else the worker would wait in a broadcast nobody sends: bounded calls).
+        stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT), timeout=60)
+        stub.StartWeightUpdate(pb.StartWeightUpdateRequest(), timeout=60)
+        unpacked = {
+            "names": ["lm_head.weight"],
+            "dtype_names": ["float32"],
+            "shapes": [list(trainer_a.lm_head.weight.shape)],
+            "packed": False,
+        }
+        refusal: grpc.RpcError | None = None
+        try:
+            stub.UpdateWeights(
+                pb.UpdateWeightsRequest(update_info_json=json.dumps(unpacked).encode()),
+                timeout=30,
+            )
+        except grpc.RpcError as e:
+            refusal = e
+        details = (refusal.details() or "") if refusal is not None else "accepted"
+        results["disagreeing_packed"] = details
+        expect(
+            refusal is not None
+            and refusal.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "'packed' is false" in details
+            and "set true" in details,
+            "'packed': false against a packed init: INVALID_ARGUMENT naming both",
+        )
+        stub.FinishWeightUpdate(pb.FinishWeightUpdateRequest(), timeout=60)
+        stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=60)
+        expect(
+            [r[:2] for r in greedy(stub, prompts)] == [r[:2] for r in back],
+            "after the refused update: the weights serving stay",
+        )
+        nemo_client.shutdown_weight_transfer_engine()
+        nemo.shutdown()
+        nemo_client.close()
         channel.close()
     return failures
 

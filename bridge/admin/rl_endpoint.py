@@ -4,9 +4,12 @@ dynamo.vllm describes its RL admin routes there (method ``routes``: their
 names, the worker's system URL, the weight world size), so that a trainer can
 find every worker's admin address through Dynamo's discovery. A backend engine
 never gets the worker's runtime, so the bridge starts a second, small runtime
-in the same process for this one endpoint, without a system server of its own
-(the worker's system port is the bridge's already), and answers with Dynamo's
-own ``RLRouteRegistry``.
+(the carrier) in the same process for this one endpoint, without a system server
+of its own (the worker's system port is the bridge's already), and answers with
+Dynamo's own ``RLRouteRegistry``. The carrier registers under a component of its
+own; ``bridge.admin.instance_alias`` then lists it as ``<namespace>.<component>.rl``
+under the worker's own instance id, one id for ``generate`` and ``rl`` as
+dynamo.vllm has (NeMo RL's readiness rule).
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from dynamo.common.rl.admin import RLRouteRegistry
 from dynamo.runtime import DistributedRuntime
 
+from bridge.admin.instance_alias import InstanceAlias, alias_store, carrier_component
 from bridge.admin.rl_admin import Route
 from bridge.config import BridgeConfig
+from bridge.dynamo_compat import rl_route_registry
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +42,23 @@ class _SystemUrl:
 
 class RlEndpoint:
     def __init__(
-        self, config: BridgeConfig, routes: Mapping[str, Route], system_url: str | None
+        self,
+        config: BridgeConfig,
+        routes: Mapping[str, Route],
+        system_url: str | None,
+        worker_id: int,
     ) -> None:
         self._config = config
+        self._worker_id = worker_id
         # One weight receiver: the engine server's engine (a tensor- or
         # pipeline-parallel engine loads each rank's share itself).
-        self.registry = RLRouteRegistry(_SystemUrl(system_url), logger_=log, world_size=1)
+        self.registry = rl_route_registry(_SystemUrl(system_url), logger_=log, world_size=1)
         self.registry.add_routes(routes)
         self._runtime: Any = None
         self._serving: asyncio.Future[Any] | None = None
+        self._alias: InstanceAlias | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
         cfg = self._config
         # Read by the runtime when it starts: without it, no second system server.
         saved = os.environ.pop("DYN_SYSTEM_PORT", None)
@@ -62,16 +72,32 @@ class RlEndpoint:
         finally:
             if saved is not None:
                 os.environ["DYN_SYSTEM_PORT"] = saved
-        path = f"{cfg.namespace}.{cfg.component}.rl"
-        endpoint = self._runtime.endpoint(path)
-        self._serving = asyncio.ensure_future(endpoint.serve_endpoint(self._dispatch))
-        log.info("RL admin routes described on the request plane at dyn://%s", path)
+        carrier = self._runtime.endpoint(f"{cfg.namespace}.{carrier_component(cfg.component)}.rl")
+        self._serving = asyncio.ensure_future(carrier.serve_endpoint(self._dispatch))
+        self._alias = InstanceAlias(
+            alias_store(cfg.discovery_backend),
+            namespace=cfg.namespace,
+            component=cfg.component,
+            endpoint="rl",
+            worker_id=self._worker_id,
+            carrier_id=carrier.connection_id(),
+        )
+        await self._alias.publish()
+        log.info(
+            "RL admin routes described on the request plane at dyn://%s.%s.rl (instance %x)",
+            cfg.namespace,
+            cfg.component,
+            self._worker_id,
+        )
 
     async def _dispatch(self, request: Any = None, context: Any = None) -> Any:
         async for answer in self.registry.dispatch_stream(request):
             yield answer
 
     async def stop(self) -> None:
+        alias, self._alias = self._alias, None
+        if alias is not None:
+            await alias.withdraw()
         runtime, self._runtime = self._runtime, None
         if runtime is not None:
             runtime.shutdown()

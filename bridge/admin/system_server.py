@@ -7,7 +7,9 @@ So the bridge takes the user's system port itself: before the runtime starts,
 its system server is moved to an internal loopback port (in the environment it
 reads), and this server answers the RL routes and passes every other request
 (``/health``, ``/live``, ``/metrics``, ``/engine/control/...``) to it, status,
-headers and body unchanged.
+headers and body unchanged, except ``GET /metrics``, which gets the engine's own
+series (vLLM's ``vllm:``, ``bridge.engine_metrics``) after Dynamo's, where
+dynamo.vllm would have published them.
 
 With an admin token (``bridge.admin.auth``) every path but ``/health``,
 ``/live`` and ``/metrics`` needs it, Dynamo's own ``/engine/...`` included.
@@ -17,6 +19,7 @@ way in and can never leave (``allow_nan=False``).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -36,6 +39,8 @@ from rl_client.admin_token import AdminToken
 log = logging.getLogger(__name__)
 
 Route = Callable[[Any], Awaitable[dict[str, Any]]]
+# () -> exposition text to add to /metrics ("" for none); never raises.
+ExtraMetrics = Callable[[], Awaitable[str]]
 
 # Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number.
 _MAX_DYNAMO_PORT = 32767
@@ -125,10 +130,12 @@ class SystemServer:
         address: SystemPort,
         routes: Mapping[str, Route],
         admin_token: AdminToken | None = None,
+        extra_metrics: ExtraMetrics | None = None,
     ) -> None:
         self.address = address
         self._routes = dict(routes)
         self._token = admin_token
+        self._extra_metrics = extra_metrics
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -171,7 +178,28 @@ class SystemServer:
         path = request.path
         if path.startswith("/engine/") and path[len("/engine/") :] in self._routes:
             return await self._route(path[len("/engine/") :], request)
+        if path == "/metrics" and request.method == "GET" and self._extra_metrics is not None:
+            return await self._metrics(request, self._extra_metrics)
         return await self._proxy(request)
+
+    async def _metrics(self, request: web.Request, extra: ExtraMetrics) -> web.StreamResponse:
+        """Dynamo's /metrics with ``extra`` after it, both asked at once (``extra``
+        bounds its own wait). Asked uncompressed, so that text can be added; an
+        answer that is not plain Prometheus text passes unchanged."""
+        answer, more = await asyncio.gather(self._proxy(request, plain=True), extra())
+        if (
+            more
+            and isinstance(answer, web.Response)
+            and answer.status == 200
+            and answer.content_type == "text/plain"
+            and "Content-Encoding" not in answer.headers
+            and isinstance(answer.body, bytes)
+        ):
+            body = answer.body
+            if body and not body.endswith(b"\n"):
+                body += b"\n"
+            answer.body = body + more.encode()
+        return answer
 
     async def _route(self, name: str, request: web.Request) -> web.Response:
         """As Dynamo's own engine routes: GET or an empty body is ``{}``; invalid
@@ -195,7 +223,8 @@ class SystemServer:
                 {"status": "error", "message": f"the answer is not JSON: {e!s:.200}"}, status=500
             )
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, request: web.Request, plain: bool = False) -> web.StreamResponse:
+        """Dynamo's answer to ``request``; ``plain``: asked without compression."""
         session = self._session
         if session is None:
             return web.Response(status=503, text="starting")
@@ -206,6 +235,9 @@ class SystemServer:
             for k, v in request.headers.items()
             if k.lower() not in _HOP_BY_HOP and k.lower() != "authorization"
         }
+        if plain:  # aiohttp would ask for gzip itself
+            headers = {k: v for k, v in headers.items() if k.lower() != "accept-encoding"}
+            headers["Accept-Encoding"] = "identity"
         try:
             async with session.request(
                 request.method, target, headers=headers, data=await request.read()

@@ -636,6 +636,16 @@ class GetLoadResponse(_message.Message):
     refit_state: RefitState
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., registered_requests: _Optional[int] = ..., refit_state: _Optional[_Union[RefitState, _Mapping]] = ...) -> None: ...
 
+class GetEngineMetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetEngineMetricsResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode", "clear_cache")
     MODE_FIELD_NUMBER: _ClassVar[int]

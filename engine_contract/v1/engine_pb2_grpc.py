@@ -83,6 +83,11 @@ class EngineServiceStub:
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.GetEngineMetrics = channel.unary_unary(
+                '/engine_contract.v1.EngineService/GetEngineMetrics',
+                request_serializer=engine__contract_dot_v1_dot_engine__pb2.GetEngineMetricsRequest.SerializeToString,
+                response_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetEngineMetricsResponse.FromString,
+                _registered_method=True)
         self.PauseGeneration = channel.unary_unary(
                 '/engine_contract.v1.EngineService/PauseGeneration',
                 request_serializer=engine__contract_dot_v1_dot_engine__pb2.PauseGenerationRequest.SerializeToString,
@@ -267,6 +272,18 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEngineMetrics(self, request, context):
+        """Revision 9. The engine's own Prometheus series, read at the call: the
+        families a Dynamo worker of that engine publishes in its /metrics (vLLM's
+        `vllm:` and `lmcache:`, as dynamo.vllm does), with the engine's own labels
+        only (the client adds its worker's). Empty where the engine keeps none (the
+        simulated engine; vLLM with its stats off). Cheap: a client may call it on
+        every scrape of its own metrics. An older server answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PauseGeneration(self, request, context):
         """-- The refit cycle (revision 3): pause, update weights, version, resume. --
         Names and semantics follow vLLM's own gRPC control service where they
@@ -444,6 +461,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=engine__contract_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'GetEngineMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineMetrics,
+                    request_deserializer=engine__contract_dot_v1_dot_engine__pb2.GetEngineMetricsRequest.FromString,
+                    response_serializer=engine__contract_dot_v1_dot_engine__pb2.GetEngineMetricsResponse.SerializeToString,
             ),
             'PauseGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseGeneration,
@@ -768,6 +790,33 @@ class EngineService:
             '/engine_contract.v1.EngineService/GetLoad',
             engine__contract_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             engine__contract_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEngineMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine_contract.v1.EngineService/GetEngineMetrics',
+            engine__contract_dot_v1_dot_engine__pb2.GetEngineMetricsRequest.SerializeToString,
+            engine__contract_dot_v1_dot_engine__pb2.GetEngineMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,7 +169,7 @@ def test_rollout_chunk_carries_everything_in_engine_data_and_counts_its_tokens()
     data = chunk["engine_data"]["rollout"]
     assert set(data) == wire.WIRE_KEYS
     assert data["token_ids"] == [3, 4, 1]
-    assert data["logprobs"] == [-0.25, -1.5, -3.0]
+    assert wire.decode_logprobs(data["logprobs"], data["version"]) == [-0.25, -1.5, -3.0]
     assert data["finish_reason"] == "stop" and data["truncated"] is False
     assert data["routed_experts"] is None and data["r3_stats"] is None
     json.dumps(chunk, allow_nan=False)  # JSON-safe
@@ -224,7 +224,11 @@ def test_rollout_misaligned_or_bad_experts_is_a_protocol_error() -> None:
 def test_non_finite_logprobs_become_the_floor() -> None:
     resp = rollout_response(logprobs=[-math.inf, math.nan, -0.125])
     data = codec.rollout_chunk(resp)["engine_data"]["rollout"]
-    assert data["logprobs"] == [wire.LOGPROB_FLOOR, wire.LOGPROB_FLOOR, -0.125]
+    assert wire.decode_logprobs(data["logprobs"], data["version"]) == [
+        wire.LOGPROB_FLOOR,
+        wire.LOGPROB_FLOOR,
+        -0.125,
+    ]
     chunk = codec.generate_chunk(pb.GenerateResponse(token_ids=[1, 2], logprobs=[math.inf, -2.0]))
     assert chunk["log_probs"] == [wire.LOGPROB_FLOOR, -2.0]
 

@@ -101,7 +101,16 @@ def test_routed_experts_keep_dtype_shape_and_bytes(dtype: str) -> None:
         (lambda d: d["nvext"].pop("engine_data"), "no nvext.engine_data.rollout"),
         (lambda d: d["nvext"]["engine_data"]["rollout"].update(version=99), "version 99"),
         (lambda d: d["nvext"]["engine_data"]["rollout"].update(extra=1), "unknown keys"),
-        (lambda d: d["nvext"]["engine_data"]["rollout"]["logprobs"].pop(), "1 logprobs for 2"),
+        (
+            lambda d: d["nvext"]["engine_data"]["rollout"].update(
+                logprobs=wire.encode_logprobs([-0.5])
+            ),
+            "1 logprobs for 2",
+        ),
+        (
+            lambda d: d["nvext"]["engine_data"]["rollout"].update(logprobs="AAAA"),
+            "not whole float64s",
+        ),
         (
             lambda d: d["nvext"]["engine_data"]["rollout"].update(
                 routed_experts={"dtype": "int16", "shape": [3], "data": "AAA="}

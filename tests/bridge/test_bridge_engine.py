@@ -19,6 +19,7 @@ from bridge.client import EngineNotReadyError, IncompatibleServerError
 from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
 from harness.waits import wait_until_async
+from rl_client import wire
 from tests.bridge.bridge_fakes import FakeEngine, FakeServer
 
 
@@ -104,7 +105,8 @@ async def test_rollout_is_one_chunk_with_engine_data(
         chunk["token_ids"] == [6, 7] and chunk["text"] == "" and chunk["finish_reason"] == "length"
     )
     data = chunk["engine_data"]["rollout"]
-    assert data["token_ids"] == [6, 7] and data["logprobs"] == [-0.5, -1.0]
+    assert data["token_ids"] == [6, 7]
+    assert wire.decode_logprobs(data["logprobs"], data["version"]) == [-0.5, -1.0]
     sent = server.engine.rollouts[0]
     assert sent.request_id == "mine" and sent.greedy and sent.max_new_tokens == 2
 

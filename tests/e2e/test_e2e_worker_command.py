@@ -26,7 +26,7 @@ from harness.engine import tiny_vllm_args
 from harness.env import importable
 from harness.http import wait_for_model
 from harness.nemo_rl import GLOO, start_worker, worker_argv
-from harness.procs import Proc, ProcessGroup
+from harness.procs import Proc, ProcessGroup, worker_children
 from harness.stack import Stack
 from harness.tiny_model import tiny_model_dir
 from harness.waits import wait_until
@@ -35,32 +35,11 @@ from rl_client import driver
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
 
-def children(pid: int) -> dict[str, int]:
-    """The launcher's live children by kind ("engine-server", "bridge")."""
-    found: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) != pid or fields[0] == "Z":
-            continue
-        if b"engine_server" in cmdline:
-            found["engine-server"] = int(entry.name)
-        elif b"bridge" in cmdline:
-            found["bridge"] = int(entry.name)
-    return found
-
-
 def wait_children(worker: Proc, timeout: float = 60.0, **unlike: int) -> dict[str, int]:
     """Until both children run, each named in ``unlike`` with another pid."""
     return wait_until(
         lambda: (
-            (kids := children(worker.pid)).keys() == {"engine-server", "bridge"}
+            (kids := worker_children(worker.pid)).keys() == {"engine-server", "bridge"}
             and all(kids[k.replace("_", "-")] != pid for k, pid in unlike.items())
             and kids
         ),
@@ -186,7 +165,7 @@ async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
     sim = ("--backend", "sim", "--decode-step-ms", "1", "--stop-timeout-s", "20")
     stack, worker = await start_serving(tmp_path, group, base_model, model, "", *sim, timeout=90)
     await rollouts(stack.base_url, model)
-    first = children(worker.pid)
+    first = worker_children(worker.pid)
     assert first.keys() == {"engine-server", "bridge"}
 
     # The bridge dies: it alone comes back, and rollouts resume.
@@ -200,7 +179,7 @@ async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
     third = await asyncio.to_thread(wait_children, worker, 30, engine_server=first["engine-server"])
     assert third["bridge"] == second["bridge"]
     await rollouts(stack.base_url, model)
-    assert children(worker.pid) == third
+    assert worker_children(worker.pid) == third
     log = worker.log_tail(200_000)  # the output passes through, each line prefixed
     assert f"[bridge {second['bridge']}] " in log
     assert f"[engine-server {third['engine-server']}] " in log
@@ -241,7 +220,7 @@ async def test_vllm_worker_from_the_nemo_rl_command_line(
         tmp_path, group, base_model, model, GLOO, *tiny_vllm_args(512), timeout=300
     )
     await rollouts(stack.base_url, model, timeout=120)
-    kids = children(worker.pid)
+    kids = worker_children(worker.pid)
     worker.signal(signal.SIGTERM)
     assert await asyncio.to_thread(worker.wait_exit, 60) == 0
     assert_gone(kids)

@@ -20,7 +20,13 @@ import pytest_asyncio
 from engine_contract.tensors import TENSOR_DTYPES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server import refit_control
-from engine_server.backends.refit import PauseMode, TensorSpec, WeightLoad, WeightWriter
+from engine_server.backends.refit import (
+    PauseMode,
+    TensorSpec,
+    WeightLoad,
+    WeightUpdateError,
+    WeightWriter,
+)
 from engine_server.backends.sim import SimBackend
 from engine_server.config import RefitConfig, ServerConfig
 from engine_server.core import ServerCore
@@ -303,6 +309,39 @@ async def test_transfer_phases_past_the_deadline(tmp_path: Path) -> None:
             await core.refit.update_weights(b"{}")
         assert core.refit.broken is not None
         await asyncio.wait_for(core.refit.resume(), 2)  # nothing left in progress
+
+
+async def test_an_update_the_backend_refuses_is_invalid_and_leaves_the_update_open() -> None:
+    """A WeightUpdateError from the backend's update (vLLM: ``packed`` against the
+    group's init, backends/vllm/transfer_packing.py) answers INVALID_ARGUMENT; the
+    server is not broken, and the update can go on and finish."""
+    async with sim_core() as core:
+        backend = core.backend
+        updates: list[object] = []
+
+        async def nothing(*args: object) -> None:
+            return None
+
+        async def finish() -> WeightLoad:
+            return WeightLoad(0, 0)
+
+        async def refuse(info: object) -> None:
+            if info == {"packed": True}:
+                raise WeightUpdateError("update_info 'packed' is true but the init set false")
+            updates.append(info)
+
+        backend.start_weight_update = nothing  # type: ignore[method-assign]
+        backend.update_weights = refuse  # type: ignore[method-assign]
+        backend.finish_weight_update = finish  # type: ignore[method-assign]
+        await paused(core)
+        await core.refit.start_weight_update(pb.WeightUpdateOptions())
+        with pytest.raises(InvalidRequest, match=r"update_info_json: .*'packed' is true.*stay"):
+            await core.refit.update_weights(b'{"packed": true}')
+        assert core.refit.broken is None
+        await core.refit.update_weights(b'{"names": []}')
+        assert updates == [{"names": []}]
+        await core.refit.finish_weight_update(pb.FinishWeightUpdateRequest())
+        await still_serving(core)
 
 
 @pytest.fixture

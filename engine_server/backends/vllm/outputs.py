@@ -31,6 +31,7 @@ from engine_server.backends.base import (
     RoutedExpertsArray,
     SamplingSpec,
 )
+from engine_server.vllm_compat import output_weight_versions
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,8 @@ class OutputConverter:
         result.num_cached_tokens = int(out.num_cached_tokens or 0)
         if self._routed and comp.routed_experts is not None:
             result.routed_experts = routed_experts_array(comp.routed_experts)
-        spans = getattr(comp, "weight_versions", None)
-        if spans is not None:  # vLLM's own, over the whole output (final output only)
-            result.weight_versions = [(str(s.version), int(s.start), int(s.end)) for s in spans]
+        # vLLM's own spans, over the whole output (final output only; 0.23 has none).
+        result.weight_versions = output_weight_versions(comp)
         return result
 
 
