@@ -215,17 +215,22 @@ class CatchUp:
         poll = _Backoff(POLL_FIRST_S, POLL_MAX_S)
         retry = _Backoff(RETRY_FIRST_S, RETRY_MAX_S)
         loaded = waited = False
-        said: str | None = None
-        said_at = started
+        # When each message was last logged. Not only the last one: a retry that
+        # says two things (the load it tries, its failure) must not log both
+        # again every time round.
+        said: dict[str, float] = {}
 
         def say(level: int, message: str) -> None:
             """Once per distinct message, and then every STILL_WAITING_EVERY_S."""
-            nonlocal said, said_at
             now = time.monotonic()
-            if message != said or now - said_at >= STILL_WAITING_EVERY_S:
-                waited_s = f" ({now - started:.0f}s so far)" if message == said else ""
+            last = said.get(message)
+            if last is None or now - last >= STILL_WAITING_EVERY_S:
+                waited_s = "" if last is None else f" ({now - started:.0f}s so far)"
                 log.log(level, "catch-up: %s%s", message, waited_s)
-                said, said_at = message, now
+                said[message] = now
+                # Forget what was not said for a while (a failure's details vary).
+                for old in [m for m, t in said.items() if now - t > 2 * STILL_WAITING_EVERY_S]:
+                    del said[old]
 
         while True:
             try:

@@ -9,30 +9,40 @@ Each side may run on its own Python (``--engine-python``/``--bridge-python``, or
 ``ENGINE_WORKER_ENGINE_PYTHON``/``ENGINE_WORKER_BRIDGE_PYTHON``): the engine's vLLM
 and Dynamo then live in separate environments, each with this project installed.
 
-Exit status: 0 after SIGTERM or SIGINT drained both children; 2 for a command
-line refused at start (an argument neither side accepts, named) or a child
-that refused its arguments on its first run.
+Exit status: 0 after SIGTERM or SIGINT, at any point (start-up included: the
+flag listings and the model folder are given up, their children killed); 2 for
+a command line refused at start (an argument neither side accepts, named) or a
+child that refused its arguments on its first run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
 
 from engine_worker.flags import MARKER, Arity, describe
+from engine_worker.private_dir import PrivateDir
 from engine_worker.split import Split, UsageError, split_args
-from engine_worker.supervisor import USAGE_ERROR, Backoff, Child, death_signal_setter
+from engine_worker.supervisor import (
+    USAGE_ERROR,
+    Backoff,
+    Child,
+    death_signal_setter,
+    stop_in_order,
+)
+
+T = TypeVar("T")
 
 log = logging.getLogger("engine_worker")
 
@@ -42,8 +52,12 @@ BRIDGE_PARENT_ENV = "BRIDGE_PARENT_PID"
 ENGINE_ENV_DROPPED_PREFIXES = ("DYN_",)
 # Files the bridge (and Dynamo's frontend) read from the model folder.
 MODEL_FILE_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
-# The longest unix socket path (sun_path, with its NUL).
-_SUN_PATH_MAX = 107
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A side's parser imports vLLM or Dynamo: seconds, rarely minutes.
+LISTING_TIMEOUT_S = 300.0
+# On a stop, the engine server's least time to drain, even after a bridge that
+# used the whole --stop-timeout-s (12 + 2 s: inside NeMo RL's 15).
+ENGINE_STOP_FLOOR_S = 2.0
 
 
 def own_parser() -> argparse.ArgumentParser:
@@ -69,9 +83,10 @@ def own_parser() -> argparse.ArgumentParser:
         "--stop-timeout-s",
         type=float,
         default=12.0,
-        help="on SIGTERM/SIGINT, how long each child may take to drain before it is "
-        "killed (default: %(default)s, within the 15 s NeMo RL gives a worker; the "
-        "engine server's own --grace-period-s is 10 s)",
+        help="on SIGTERM/SIGINT, how long the two children may take to drain, the "
+        "bridge first and then the engine server, before each is killed (default: "
+        f"%(default)s, within the 15 s NeMo RL gives a worker; the engine server gets "
+        f"at least {ENGINE_STOP_FLOOR_S:.0f} s of its own)",
     )
     for side, what in (("engine", "vLLM"), ("bridge", "Dynamo")):
         env = f"ENGINE_WORKER_{side.upper()}_PYTHON"
@@ -103,7 +118,7 @@ class Plan:
     engine_env: dict[str, str]
     bridge_argv: list[str]
     bridge_env: dict[str, str]
-    private_dir: Path
+    private: PrivateDir
 
 
 def engine_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -114,43 +129,58 @@ def bridge_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {**environ, BRIDGE_PARENT_ENV: str(os.getpid())}
 
 
-def known_flags(
+async def known_flags(
     python: str, side: str, backend: str | None, env: Mapping[str, str]
 ) -> dict[str, Arity]:
-    """The flags one side's own parser knows, asked of it in a child process."""
+    """The flags one side's own parser knows, asked of it in a child process (in a
+    session of its own, as the children are: a ``killpg`` of the launcher's group
+    stops the launcher, which kills it)."""
     argv = [python, "-m", "engine_worker.flags", side, *([backend] if backend else [])]
     what = "the bridge's flags"
     if side == "engine":
         what = f"the engine server's flags (backend {backend})"
     try:
-        out = subprocess.run(
-            argv,
+        process = await asyncio.create_subprocess_exec(
+            *argv,
             env=dict(env),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
             preexec_fn=death_signal_setter(),
         )
-    except (OSError, subprocess.TimeoutExpired) as e:
+    except OSError as e:
         raise UsageError(f"listing {what} failed: {e}") from None
-    for line in reversed(out.stdout.splitlines()):
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), LISTING_TIMEOUT_S)
+    except TimeoutError:
+        raise UsageError(f"listing {what} failed: no answer in {LISTING_TIMEOUT_S:.0f}s") from None
+    finally:
+        if process.returncode is None:  # timed out, or the worker is stopping
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+    for line in reversed(out.decode(errors="replace").splitlines()):
         if line.startswith(MARKER):
             listing: dict[str, Arity] = json.loads(line[len(MARKER) :])
             return listing
-    raise UsageError(f"listing {what} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    stderr = err.decode(errors="replace").strip()[-2000:]
+    raise UsageError(f"listing {what} failed (exit {process.returncode}): {stderr}")
 
 
-def both_known_flags(
+async def both_known_flags(
     pre: argparse.Namespace, e_env: Mapping[str, str], b_env: Mapping[str, str]
 ) -> tuple[dict[str, Arity], dict[str, Arity]]:
-    """Both listings, asked at the same time (the engine's imports vLLM: seconds)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(2) as pool:
-        engine = pool.submit(known_flags, pre.engine_python, "engine", pre.backend, e_env)
-        bridge = pool.submit(known_flags, pre.bridge_python, "bridge", None, b_env)
-        return engine.result(), bridge.result()
+    """Both listings, asked at the same time (the engine's imports vLLM: seconds);
+    when one fails or the worker stops, the other is given up too."""
+    engine = asyncio.ensure_future(known_flags(pre.engine_python, "engine", pre.backend, e_env))
+    bridge = asyncio.ensure_future(known_flags(pre.bridge_python, "bridge", None, b_env))
+    try:
+        return await engine, await bridge
+    finally:
+        for task in (engine, bridge):
+            task.cancel()
+        await asyncio.gather(engine, bridge, return_exceptions=True)
 
 
 def local_model_dir(model: str) -> str:
@@ -171,21 +201,46 @@ def local_model_dir(model: str) -> str:
         ) from None
 
 
-def _private_dir() -> Path:
-    """A 0700 folder for the engine server's socket (short enough for sun_path)."""
-    folder = Path(tempfile.mkdtemp(prefix="engine-worker-"))
-    if len(os.fspath(folder / "engine.sock")) > _SUN_PATH_MAX:
-        folder.rmdir()
-        folder = Path(tempfile.mkdtemp(prefix="engine-worker-", dir="/tmp"))
-    return folder
+async def _in_daemon_thread(work: Callable[[], T]) -> T:
+    """``work()`` off the loop, in a daemon thread: unlike asyncio's executor, one
+    that neither the loop's end nor the interpreter's waits for, so that a stop in
+    the middle of a download ends the worker at once."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # given up
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(cast(T, result))
+
+    def run() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = work()
+        except BaseException as e:  # handed to the awaiting task as is
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="engine-worker-model", daemon=True).start()
+    return await done
 
 
-def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[argparse.Namespace, Plan]:
-    """Parse and split ``argv``; raises UsageError for a command line refused."""
-    parser = own_parser()
-    pre, _ = parser.parse_known_args(argv)
+async def plan(
+    parser: argparse.ArgumentParser,
+    pre: argparse.Namespace,
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+) -> tuple[argparse.Namespace, Plan] | None:
+    """Split ``argv`` (``pre``: the launcher's own flags, parsed by ``parser``; None:
+    the help was asked for, and printed); raises UsageError for a command line
+    refused."""
     e_env, b_env = engine_env(environ), bridge_env(environ)
-    engine_flags, bridge_flags = both_known_flags(pre, e_env, b_env)
+    engine_flags, bridge_flags = await both_known_flags(pre, e_env, b_env)
     split: Split = split_args(
         argv,
         engine_flags,
@@ -195,13 +250,15 @@ def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[argparse.Name
     )
     if "-h" in split.own or "--help" in split.own:
         parser.print_help()
-        raise SystemExit(0)
+        return None
     args = parser.parse_args(split.own)
-    if split.model is None:
+    model = split.model
+    if model is None:
         raise UsageError("--model is required (a model folder or a Hugging Face Hub name)")
-    model_dir = local_model_dir(split.model)
-    private = _private_dir()
-    address = f"unix:{private / 'engine.sock'}"
+    model_dir = await _in_daemon_thread(lambda: local_model_dir(model))
+    # Last, with no wait after it: a stop cannot leave it behind unrecorded.
+    private = PrivateDir()
+    address = f"unix:{private.socket}"
     engine_argv = [args.engine_python, "-m", "engine_server"]
     engine_argv += ["--backend", args.backend, "--listen", address]
     bridge_argv = [args.bridge_python, "-m", "bridge", "--engine", address]
@@ -211,14 +268,18 @@ def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[argparse.Name
         engine_env=e_env,
         bridge_argv=[*bridge_argv, *split.bridge],
         bridge_env=b_env,
-        private_dir=private,
+        private=private,
     )
 
 
-async def supervise(p: Plan, stop_timeout_s: float, backoff: Backoff | None = None) -> int:
-    """Run both children until SIGTERM/SIGINT (0) or a fatal refusal (2)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+async def supervise(
+    p: Plan, stop_timeout_s: float, stop: asyncio.Event, backoff: Backoff | None = None
+) -> int:
+    """Run both children until ``stop`` (0) or a fatal refusal (2); then stop the
+    bridge first (it leaves discovery and ends its requests, which need the engine
+    server), then the engine server."""
+    if stop.is_set():
+        return 0
     code = 0
 
     def fatal(exit_code: int) -> None:
@@ -226,13 +287,6 @@ async def supervise(p: Plan, stop_timeout_s: float, backoff: Backoff | None = No
         code = exit_code
         stop.set()
 
-    def on_signal(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            log.info("received %s: draining the bridge and the engine server", sig.name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
     backoff = backoff or Backoff()
     engine = Child("engine-server", p.engine_argv, p.engine_env, backoff, fatal)
     bridge = Child("bridge", p.bridge_argv, p.bridge_env, backoff, fatal)
@@ -241,10 +295,80 @@ async def supervise(p: Plan, stop_timeout_s: float, backoff: Backoff | None = No
     try:
         await stop.wait()
     finally:
-        bridge.terminate()  # first: the worker leaves discovery at once
-        engine.terminate()
-        await asyncio.gather(bridge.stop(stop_timeout_s), engine.stop(stop_timeout_s))
+        await stop_in_order([bridge, engine], stop_timeout_s, ENGINE_STOP_FLOOR_S)
     return code
+
+
+def _stop_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """An event SIGTERM and SIGINT set, from now on."""
+    stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info("received %s: stopping", sig.name)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stop
+
+
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Stopped: what is left is the interpreter's exit. Closing the loop would put
+    back the default handlers, and a SIGTERM repeated in that window (a whole
+    process group signalled again) would turn the clean exit (0) into death by
+    signal."""
+    for sig in STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
+
+
+async def _unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once ``stop`` is set first (``work`` cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its children killed
+    return None if task.cancelled() else task.result()
+
+
+async def run(
+    parser: argparse.ArgumentParser,
+    pre: argparse.Namespace,
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+) -> int:
+    """The worker, start-up included, under one stop event: a SIGTERM or SIGINT at
+    any point ends it with 0, stopping what it has started."""
+    loop = asyncio.get_running_loop()
+    stop = _stop_on_signals(loop)
+    try:
+        try:
+            planned = await _unless_stopped(stop, plan(parser, pre, argv, environ))
+        except UsageError as e:
+            if stop.is_set():
+                return 0
+            print(f"python -m engine_worker: error: {e}", file=sys.stderr)
+            return USAGE_ERROR
+        if planned is None:  # stopped during start-up, or the help shown
+            return 0
+        args, p = planned
+        try:
+            if args.dry_run:
+                print(json.dumps({"engine_server": p.engine_argv, "bridge": p.bridge_argv}))
+                return 0
+            log.info("engine server: %s", " ".join(p.engine_argv))
+            log.info("bridge: %s", " ".join(p.bridge_argv))
+            return await supervise(p, args.stop_timeout_s, stop)
+        finally:
+            p.private.remove()
+    finally:
+        _ignore_stop_signals(loop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -253,18 +377,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args, p = plan(argv, os.environ)
-    except UsageError as e:
-        print(f"python -m engine_worker: error: {e}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    try:
-        if args.dry_run:
-            print(json.dumps({"engine_server": p.engine_argv, "bridge": p.bridge_argv}))
-            raise SystemExit(0)
-        log.info("engine server: %s", " ".join(p.engine_argv))
-        log.info("bridge: %s", " ".join(p.bridge_argv))
-        code = asyncio.run(supervise(p, args.stop_timeout_s))
-    finally:
-        shutil.rmtree(p.private_dir, ignore_errors=True)
-    raise SystemExit(code)
+    parser = own_parser()
+    # Here, not in a task: argparse's own exits (an error, -h) end the program as is.
+    pre, _ = parser.parse_known_args(argv)
+    raise SystemExit(asyncio.run(run(parser, pre, argv, os.environ)))

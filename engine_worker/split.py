@@ -133,6 +133,8 @@ def split_args(
             out.own += given
             continue
         if name == "--model":
+            if not values or not values[0].strip():  # "": the current folder, never meant
+                raise UsageError(f"{name} is empty: give a model folder or a Hugging Face Hub name")
             out.model = values[0]
         if name == "--served-model-name" and values:
             out.served_model_name = values[0]

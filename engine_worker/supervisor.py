@@ -9,7 +9,9 @@ about its bridge.
 Every child is started in its own session (a terminal's Ctrl-C, or a
 ``killpg`` of the launcher's group, reaches the launcher, which drains both)
 with a parent-death signal: when the launcher dies, even by SIGKILL, the
-kernel sends each child SIGTERM, and each drains and exits.
+kernel sends each child SIGTERM, and each drains and exits. The launcher stops
+them one after the other (``stop_in_order``): the bridge first, since its
+requests in flight need the engine server until they end.
 
 Output: each child's stdout and stderr pass through to the launcher's stdout
 and stderr, line by line, each line prefixed ``[engine-server PID] `` or
@@ -193,6 +195,16 @@ class Child:
                 await asyncio.wait_for(asyncio.shield(task), 5)  # its output's last lines
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def stop_in_order(children: Sequence[Child], budget_s: float, floor_s: float) -> None:
+    """Stop ``children`` one after the other, all within ``budget_s`` (the worker's
+    15 s under NeMo RL), each given what is left of it but at least ``floor_s``,
+    so that one that hangs still leaves the next a chance to drain."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    for child in children:
+        await child.stop(max(deadline - loop.time(), floor_s))
 
 
 async def _pump(reader: asyncio.StreamReader, out: BinaryIO, prefix: bytes) -> None:

@@ -19,6 +19,11 @@ from pathlib import Path
 TOKEN_ENV = "BRIDGE_ADMIN_TOKEN"
 # A file holding it (the bridge's --admin-token-file; read by trainers too).
 TOKEN_FILE_ENV = "BRIDGE_ADMIN_TOKEN_FILE"
+# The longest token taken, in bytes. It travels as ``Authorization: Bearer
+# <token>``, one header field, and servers refuse a field past their limit
+# (aiohttp's, the system port's server: 8190 bytes, name and value): a longer
+# token would have every request refused, so it is refused at start instead.
+MAX_TOKEN_BYTES = 4096
 
 
 class AdminToken:
@@ -89,9 +94,16 @@ class AdminToken:
 
 def token_problem(secret: str) -> str | None:
     """Why ``secret`` cannot be a token, or None. It travels in an HTTP header:
-    visible ASCII only. Never quotes the token."""
+    visible ASCII only, at most ``MAX_TOKEN_BYTES``. Never quotes the token."""
     if not secret:
         return "is empty"
+    size = len(secret.encode("utf-8"))
+    if size > MAX_TOKEN_BYTES:
+        return (
+            f"is {size} bytes long, over the limit of {MAX_TOKEN_BYTES}: it travels in "
+            "one HTTP header ('Authorization: Bearer <token>'), which servers refuse past "
+            "their header size limit"
+        )
     for index, char in enumerate(secret):
         if not "!" <= char <= "~":
             return (

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 DEFAULT_ENDPOINTS = "http://localhost:2379"
+# The largest answer read: a fleet's discovery records are kilobytes each.
+MAX_ANSWER_BYTES = 16 << 20
 
 
 def b64(data: bytes) -> str:
@@ -46,8 +48,15 @@ def call(
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-                answer: dict[str, Any] = json.loads(resp.read())
-                return answer
+                raw = resp.read(MAX_ANSWER_BYTES + 1)
+            if len(raw) > MAX_ANSWER_BYTES:
+                raise ValueError(f"answer over {MAX_ANSWER_BYTES} bytes")
+            answer = json.loads(raw)
+            if not isinstance(answer, dict):
+                raise ValueError(f"answer is a JSON {type(answer).__name__}, not an object")
+            return answer
+        except RecursionError:  # nested deeper than the parser goes: malformed, not a crash
+            errors.append(f"{endpoint}: answer nested too deep")
         except (OSError, ValueError) as e:
             errors.append(f"{endpoint}: {e}")
     raise ConnectionError(f"etcd {path} failed on every endpoint: {'; '.join(errors)}")

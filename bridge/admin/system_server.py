@@ -15,6 +15,12 @@ With an admin token (``bridge.admin.auth``) every path but ``/health``,
 ``/live`` and ``/metrics`` needs it, Dynamo's own ``/engine/...`` included.
 Bodies and answers are strict JSON: ``NaN`` and ``Infinity`` are refused on the
 way in and can never leave (``allow_nan=False``).
+
+A request aiohttp cannot parse (a request line or header field over its limit,
+or malformed) is answered here, not by aiohttp: its own answer quotes the
+offending bytes back and its log line is a traceback carrying them, and a
+header may hold a credential. Ours is HTTP 431 (over the limit) or 400, and at
+most one log line a minute counts them, naming no bytes (``_Connection``).
 """
 
 from __future__ import annotations
@@ -26,12 +32,16 @@ import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from bridge.admin.auth import auth_middleware, exposure_warning
 from rl_client.admin_token import AdminToken
@@ -61,6 +71,14 @@ _HOP_BY_HOP = frozenset(
 
 
 _dumps = functools.partial(json.dumps, allow_nan=False)
+
+# aiohttp's own limit (its default for both), named: a request line, or a header
+# field (name and value), longer than this is answered 431. The admin token's cap
+# (rl_client.admin_token.MAX_TOKEN_BYTES) leaves its header well inside.
+MAX_LINE_BYTES = 8190
+# At most one log line per this many seconds about requests aiohttp could not
+# parse (a flood of them must not flood the log).
+_UNPARSABLE_LOG_INTERVAL_S = 60.0
 
 
 def _refuse_constant(name: str) -> Any:
@@ -122,6 +140,89 @@ class SystemPort:
         return f"http://{host}:{self.port}"
 
 
+class _Unparsable:
+    """The requests aiohttp could not parse, counted for a throttled log line."""
+
+    def __init__(self) -> None:
+        self.last_logged = float("-inf")
+        self.unlogged = 0  # since the last line
+
+    def answer(self, exc: BadHttpMessage, remote: str | None) -> web.Response:
+        """The answer, and at most one log line per interval; neither carries the
+        request's bytes (``exc``'s message quotes them: never used)."""
+        if isinstance(exc, LineTooLong):
+            status = 431
+            what = f"a request line or header field over {MAX_LINE_BYTES} bytes"
+        else:
+            status, what = 400, f"a request aiohttp could not parse ({type(exc).__name__})"
+        self.unlogged += 1
+        now = time.monotonic()
+        if now - self.last_logged >= _UNPARSABLE_LOG_INTERVAL_S:
+            log.warning(
+                "answered %d to %s from %s (%d such since the last line about them)",
+                status,
+                what,
+                remote,
+                self.unlogged,
+            )
+            self.last_logged, self.unlogged = now, 0
+        response = web.json_response({"status": "error", "message": what}, status=status)
+        response.force_close()  # where the next request starts is unknown
+        return response
+
+
+class _Connection(RequestHandler):
+    """aiohttp's connection, but a request it cannot parse is answered by
+    ``_Unparsable`` instead of aiohttp's ``handle_error`` (a traceback in the log
+    and the bytes quoted back, both carrying the header)."""
+
+    __slots__ = ("_unparsable",)
+
+    def __init__(self, manager: _Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._unparsable = manager.unparsable
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, BadHttpMessage) and request.writer.output_size == 0:
+            return self._unparsable.answer(exc, request.remote)
+        return super().handle_error(request, status, exc, message)
+
+
+class _Server(web.Server):
+    """aiohttp's server, making ``_Connection``s (aiohttp has no setting for it)."""
+
+    def __init__(self, *args: Any, unparsable: _Unparsable, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unparsable = unparsable
+
+    def __call__(self) -> RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """aiohttp's app runner, serving through a ``_Server``."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.unparsable = _Unparsable()
+
+    async def _make_server(self) -> web.Server:
+        made = await super()._make_server()  # the app started and frozen, as ever
+        return _Server(
+            made.request_handler,
+            request_factory=made.request_factory,
+            handler_cancellation=made.handler_cancellation,
+            unparsable=self.unparsable,
+            **made._kwargs,
+        )
+
+
 class SystemServer:
     """Serves ``routes`` as ``/engine/<name>``; proxies the rest to Dynamo's server."""
 
@@ -136,14 +237,16 @@ class SystemServer:
         self._routes = dict(routes)
         self._token = admin_token
         self._extra_metrics = extra_metrics
-        self._runner: web.AppRunner | None = None
+        self._runner: _Runner | None = None
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         middlewares = [auth_middleware(self._token)] if self._token is not None else []
         app = web.Application(client_max_size=16 << 20, middlewares=middlewares)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = _Runner(
+            app, access_log=None, max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.address.host, self.address.port)
         await site.start()

@@ -7,6 +7,7 @@ own system server; RlAdmin runs against a fake engine client that records RPCs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -20,11 +21,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bridge.admin import system_server
 from bridge.admin.auth import exposure_warning, is_loopback
 from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
 from bridge.config import MODEL_FILES, parse_args
 from engine_contract.v1 import engine_pb2 as pb
-from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
+from rl_client.admin_token import MAX_TOKEN_BYTES, TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from rl_client.refit import RefitClient, RouteError
 from rl_client.refit_rpc import RefitRpc
 from tests.bridge.bridge_fakes import rl_admin, serve_loopback
@@ -99,6 +101,35 @@ def test_the_cli_takes_a_token_file_and_refuses_an_empty_one(
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     config = parse_args(base)[0]
     assert config.admin_token is not None and config.admin_token.source == f"${TOKEN_ENV}"
+
+
+def test_a_token_over_the_cap_is_refused_at_start_naming_source_and_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token past what one header field carries would have every request refused
+    (HTTP 400/431): the bridge exits at start instead, saying where it came from
+    and how long it is, never quoting it."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in MODEL_FILES:
+        (model / name).write_text("{}")
+    base = ["--engine", "h:1", "--model-path", str(model)]
+    long = "T" * 9000
+    path = tmp_path / "long-token"
+    path.write_text(long + "\n")
+    with pytest.raises(SystemExit) as exited:
+        parse_args([*base, "--admin-token-file", str(path)])
+    assert exited.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert f"the admin token from file {path} is 9000 bytes long" in err
+    assert str(MAX_TOKEN_BYTES) in err and long[:100] not in err
+    with pytest.raises(ValueError, match=rf"\$BRIDGE_ADMIN_TOKEN is {MAX_TOKEN_BYTES + 1} bytes"):
+        AdminToken.resolve(None, {TOKEN_ENV: "T" * (MAX_TOKEN_BYTES + 1)})
+    # The cap itself is taken, and leaves the header inside the server's limit.
+    AdminToken("T" * MAX_TOKEN_BYTES, "test")
+    assert len(f"Authorization: Bearer {'T' * MAX_TOKEN_BYTES}") < system_server.MAX_LINE_BYTES
 
 
 def test_exposure_warning_only_beyond_loopback_without_a_token() -> None:
@@ -233,6 +264,66 @@ async def test_with_a_token_every_admin_path_needs_it_and_probes_stay_open(
         status, answer, _ = await _call(s.url + "/engine/control/start_profile", b"{}", AUTH)
         assert status == 200 and answer == {"upstream": "/engine/control/start_profile"}
         assert upstream.authorization == [None] * 4  # the token stays with us
+
+
+async def test_a_token_of_the_largest_length_passes_the_real_server(upstream: Upstream) -> None:
+    longest = "T" * MAX_TOKEN_BYTES
+    async with _serving(upstream, AdminToken(longest, "test")) as s:
+        headers = {"Authorization": f"Bearer {longest}"}
+        status, answer, _ = await _call(s.url + "/engine/pause_generation", b"{}", headers)
+        assert status == 200 and answer == {"status": "ok"}
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    """What the server answers to ``data`` sent as is (no client parsing it first)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_an_unparsable_request_is_answered_without_its_bytes_in_any_log(
+    upstream: Upstream, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp's own answer quotes a refused header back and logs a traceback
+    carrying it (an oversized token's first ~94 characters): ours is 431 for a
+    line or field over the limit, 400 for a malformed one, one log line for many,
+    and no byte of the request anywhere in the log."""
+    caplog.set_level(logging.DEBUG)  # aiohttp's loggers too
+    secret = "SeCrEt-" * 2000  # about 14 KB: over the field limit
+    async with _serving(upstream, AdminToken(TOKEN, "test")) as s:
+        served = int(s.url.rsplit(":", 1)[1])
+        for _ in range(3):
+            answer = await _raw(
+                served,
+                f"GET /engine/pause_generation HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {secret}\r\n\r\n".encode(),
+            )
+            assert answer.startswith(b"HTTP/1.0 431 "), answer[:200]
+            assert b"SeCrEt" not in answer
+        over_line = await _raw(served, f"GET /{secret} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert over_line.startswith(b"HTTP/1.0 431 ") and b"SeCrEt" not in over_line
+        for malformed in (
+            b"GET /health HTTP/1.1\r\nHost: x\r\nSeCrEt header\r\n\r\n",
+            b"SeCrEt\x01 /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        ):
+            answer = await _raw(served, malformed)
+            assert answer.startswith(b"HTTP/1.0 400 ") and b"SeCrEt" not in answer
+        # Still serving, and the token still works.
+        status, _, _ = await _call(s.url + "/engine/pause_generation", b"{}", AUTH)
+        assert status == 200
+        lines = [r.getMessage() for r in caplog.records if "answered 4" in r.getMessage()]
+        assert len(lines) == 1 and "answered 431" in lines[0], lines
+        # The next line, once due, counts those it held back.
+        monkeypatch.setattr(system_server, "_UNPARSABLE_LOG_INTERVAL_S", 0.0)
+        await _raw(served, b"GET /health HTTP/1.1\r\nHost: x\r\nSeCrEt header\r\n\r\n")
+    lines = [r.getMessage() for r in caplog.records if "answered 4" in r.getMessage()]
+    assert len(lines) == 2 and "(6 such since" in lines[1], lines
+    assert "SeCrEt" not in caplog.text
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
 
 
 async def test_without_a_token_the_routes_are_open_as_before(upstream: Upstream) -> None:

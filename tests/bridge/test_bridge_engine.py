@@ -140,6 +140,28 @@ async def test_bad_annotation_and_engine_invalid_argument(
         await collect(engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, Context(id="d"))
 
 
+async def test_an_out_of_vocabulary_token_data_id_keeps_the_engines_message(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    """NeMo-Gym's chat path (``nvext.token_data`` as the prompt, ``engine_data``
+    asked for): the engine server's refusal of an id reaches the client as
+    Dynamo's InvalidArgument (HTTP 400) with its message whole, naming the id,
+    its position and the vocabulary; never a bare "Invalid request". (Ids past
+    the tokenizer's vocabulary never get here: Dynamo's frontend refuses them.)"""
+    server, engine = served
+    refusal = "prompt_token_ids[2]: token id 1500 is outside the vocabulary [0, 1000)"
+    server.engine.fail_with = (grpc.StatusCode.INVALID_ARGUMENT, refusal)
+    chat = {
+        "token_ids": [5, 6, 1500],
+        "stop_conditions": {"max_tokens": 4},
+        "extra_args": {"nvext": {"extra_fields": ["engine_data"], "token_in": True}},
+    }
+    with pytest.raises(InvalidArgument) as refused:
+        await collect(engine, chat, Context(id="gym"))
+    assert str(refused.value) == refusal
+    assert list(server.engine.generates[-1].prompt_token_ids) == [5, 6, 1500]
+
+
 async def test_abort_cancels_and_tells_the_engine(
     served: tuple[FakeServer, BridgeEngine],
 ) -> None:

@@ -3,7 +3,9 @@ dynamo.vllm``, run as an engine server and a bridge, two supervised children.
 
 With file discovery instead of etcd (and ZMQ events instead of NATS), a Dynamo
 frontend in front: the worker registers, serves rollouts, gets each child back
-alone after a SIGKILL, refuses an argument no side knows, and drains on SIGTERM.
+alone after a SIGKILL, refuses an argument no side knows, and drains on SIGTERM
+(at any point of its start, the bridge before the engine server, NeMo RL's
+SIGTERM of the whole process group included), leaving no socket folder behind.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +94,23 @@ async def start_serving(
 def assert_gone(pids: dict[str, int]) -> None:
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
+
+
+def private_folder(worker: Proc) -> Path:
+    """The worker's socket folder, from the engine server's command line it logs."""
+    match = re.search(r"unix:(\S+)/engine\.sock", worker.log_tail(100_000))
+    assert match is not None, worker.log_tail()
+    return Path(match.group(1))
+
+
+def line_at(log: str, *parts: str) -> int:
+    """Where the first line holding all ``parts`` starts in ``log``."""
+    at = 0
+    for line in log.splitlines(keepends=True):
+        if all(part in line for part in parts):
+            return at
+        at += len(line)
+    raise AssertionError(f"no line with {parts} in:\n{log[-4000:]}")
 
 
 def _state(pid: int) -> str:
@@ -204,10 +223,49 @@ def test_the_children_end_with_a_killed_launcher(
     worker.kill()
     # The kernel's parent-death signal (SIGTERM): each child drains and exits.
     wait_until(lambda: all(_state(pid) in ("gone", "Z") for pid in kids.values()), 30, "orphans")
-    # A killed launcher leaves its private folder (the socket) behind.
-    match = re.search(r"unix:(\S+)/engine\.sock", worker.log_tail(100_000))
-    assert match is not None
-    shutil.rmtree(match.group(1), ignore_errors=True)
+    # Its watcher removes the private folder (the socket's) all the same.
+    folder = private_folder(worker)
+    wait_until(lambda: not folder.exists(), 10, f"{folder} removed")
+
+
+def test_a_sigterm_of_the_process_group_drains_the_bridge_first_then_exits_0(
+    tmp_path: Path, group: ProcessGroup, base_model: Path
+) -> None:
+    stack = Stack.new(tmp_path, group, base_model, "tiny-order", "nsorder")
+    argv = worker_argv(base_model, "tiny-order", stack.namespace, "")
+    worker = start_worker(stack, "worker", "--backend", "sim", *argv).proc
+    kids = wait_children(worker)
+    wait_until(lambda: stack.registered_workers() >= 1, 60, "the worker registered", [worker])
+    folder = private_folder(worker)
+    started = time.monotonic()
+    os.killpg(worker.pid, signal.SIGTERM)  # NeMo RL's stop, 15 s before its SIGKILL
+    assert worker.wait_exit(15) == 0
+    assert time.monotonic() - started < 15
+    assert_gone(kids)
+    assert not folder.exists()
+    # The engine server is signalled only once the bridge is gone.
+    log = worker.log_tail(400_000)
+    bridge_gone = line_at(log, f"bridge (pid {kids['bridge']}) stopped")
+    engine_told = line_at(log, f"[engine-server {kids['engine-server']}] ", "received SIGTERM")
+    assert bridge_gone < engine_told
+
+
+def test_a_sigterm_while_the_flags_are_listed_exits_0(tmp_path: Path, group: ProcessGroup) -> None:
+    # An engine Python that takes its time to answer (as vLLM's imports can).
+    listing = tmp_path / "listing.pid"
+    slow = tmp_path / "slow-python"
+    slow.write_text(
+        f"#!{sys.executable}\nimport os, time\n"
+        f"open({os.fspath(listing)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n"
+    )
+    slow.chmod(0o755)
+    argv = [sys.executable, "-m", "engine_worker", "--backend", "sim"]
+    argv += ["--engine-python", os.fspath(slow), "--model", os.fspath(tmp_path)]
+    worker = group.spawn("worker", argv)
+    wait_until(lambda: listing.exists() and listing.read_text(), 30, "the listing", [worker])
+    os.killpg(worker.pid, signal.SIGTERM)
+    assert worker.wait_exit(15) == 0, worker.log_tail()
+    wait_until(lambda: _state(int(listing.read_text())) in ("gone", "Z"), 5, "the listing ended")
 
 
 @pytest.mark.vllm

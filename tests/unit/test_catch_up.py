@@ -6,6 +6,7 @@ tests/faults/test_faults_catch_up.py; the bridge's link, tests/bridge/test_bridg
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -229,6 +230,19 @@ async def test_a_refused_load_is_retried_out_of_the_pool() -> None:
     assert result.outcome is Outcome.LOADED
     assert [c for c in engine.calls if c.startswith("load")] == [f"load {CKPT} as 7"] * 3
     assert engine.calls[-1] == "resume" and len(holds) == 1
+
+
+async def test_a_retried_load_logs_its_reason_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Each retry tries the load and fails again: the reason and the failure are
+    logged once, not a pair of lines per retry."""
+    caplog.set_level(logging.INFO, logger="bridge.catch_up")
+    engine = Engine(state(paused=True), refuse_loads=4)
+    result, _ = await run(Store([record()]), engine)
+    assert result.outcome is Outcome.LOADED
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([line for line in lines if "loading it before serving" in line]) == 1, lines
+    assert len([line for line in lines if "failed: FAILED_PRECONDITION" in line]) == 1, lines
+    assert len(lines) == 2, lines
 
 
 async def test_an_unreadable_record_holds_the_worker_until_it_reads() -> None:

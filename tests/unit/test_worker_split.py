@@ -82,6 +82,8 @@ def test_an_optional_value_is_taken_only_when_there() -> None:
         (["stray"], "unexpected argument 'stray'"),
         (["--listen", "x"], "--listen is set by the launcher"),
         (["--engine", "x"], "--engine is set by the launcher"),
+        (["--model="], "--model is empty"),  # not the current folder
+        (["--model", ""], "--model is empty"),
     ],
 )
 def test_refused_naming_the_argument(argv: list[str], message: str) -> None:
