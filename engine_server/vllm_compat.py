@@ -20,10 +20,12 @@ What 0.23 lacks, and what the engine server answers there:
   next ``init`` replaces the group anyway);
 - the trainer-side engines (``WeightTransferTrainerFactory``,
   ``TrainerWeightTransferEngine``, ``WeightSource``): a 0.23 trainer uses the
-  worker engine's static ``trainer_init`` / ``trainer_send_weights`` instead;
-- weight-transfer updates without an accelerator: 0.23's worker runs the update
-  itself and ends it with ``torch.accelerator.synchronize()``, which raises on
-  the CPU build, so there they are refused before the trainer is contacted.
+  worker engine's static ``trainer_init`` / ``trainer_send_weights`` instead.
+
+0.23's worker runs a weight-transfer update itself and ends it with
+``torch.accelerator.synchronize()``; on the CPU build its model runner has made
+that a no-op in the engine's process, so updates over ``gloo`` complete there
+(measured: a refit to another checkpoint serves that checkpoint's tokens).
 """
 
 from __future__ import annotations
