@@ -77,16 +77,21 @@ def test_token_sources_file_then_environment() -> None:
     assert AdminToken.from_env({}) is None
 
 
-def test_the_cli_takes_a_token_file_and_refuses_an_empty_one(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def bridge_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A bridge command line on a model folder of its own, no token in the environment."""
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
     model = tmp_path / "model"
     model.mkdir()
     for name in MODEL_FILES:
         (model / name).write_text("{}")
-    base = ["--engine", "h:1", "--model-path", str(model)]
+    return ["--engine", "h:1", "--model-path", str(model)]
+
+
+def test_the_cli_takes_a_token_file_and_refuses_an_empty_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = bridge_args(tmp_path, monkeypatch)
     assert parse_args(base)[0].admin_token is None
     good = tmp_path / "token"
     good.write_text(TOKEN + "\n")
@@ -109,13 +114,7 @@ def test_a_token_over_the_cap_is_refused_at_start_naming_source_and_length(
     """A token past what one header field carries would have every request refused
     (HTTP 400/431): the bridge exits at start instead, saying where it came from
     and how long it is, never quoting it."""
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
-    model = tmp_path / "model"
-    model.mkdir()
-    for name in MODEL_FILES:
-        (model / name).write_text("{}")
-    base = ["--engine", "h:1", "--model-path", str(model)]
+    base = bridge_args(tmp_path, monkeypatch)
     long = "T" * 9000
     path = tmp_path / "long-token"
     path.write_text(long + "\n")

@@ -212,14 +212,22 @@ async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
     )
 
 
-def test_the_children_end_with_a_killed_launcher(
-    tmp_path: Path, group: ProcessGroup, base_model: Path
-) -> None:
-    stack = Stack.new(tmp_path, group, base_model, "tiny-orphan", "nsorphan")
-    argv = worker_argv(base_model, "tiny-orphan", stack.namespace, "")
+def registered_sim_worker(
+    tmp_path: Path, group: ProcessGroup, base_model: Path, model: str, namespace: str
+) -> tuple[Proc, dict[str, int]]:
+    """A sim worker from NeMo RL's command line, its children up and it registered."""
+    stack = Stack.new(tmp_path, group, base_model, model, namespace)
+    argv = worker_argv(base_model, model, stack.namespace, "")
     worker = start_worker(stack, "worker", "--backend", "sim", *argv).proc
     kids = wait_children(worker)
     wait_until(lambda: stack.registered_workers() >= 1, 60, "the worker registered", [worker])
+    return worker, kids
+
+
+def test_the_children_end_with_a_killed_launcher(
+    tmp_path: Path, group: ProcessGroup, base_model: Path
+) -> None:
+    worker, kids = registered_sim_worker(tmp_path, group, base_model, "tiny-orphan", "nsorphan")
     worker.kill()
     # The kernel's parent-death signal (SIGTERM): each child drains and exits.
     wait_until(lambda: all(_state(pid) in ("gone", "Z") for pid in kids.values()), 30, "orphans")
@@ -231,11 +239,7 @@ def test_the_children_end_with_a_killed_launcher(
 def test_a_sigterm_of_the_process_group_drains_the_bridge_first_then_exits_0(
     tmp_path: Path, group: ProcessGroup, base_model: Path
 ) -> None:
-    stack = Stack.new(tmp_path, group, base_model, "tiny-order", "nsorder")
-    argv = worker_argv(base_model, "tiny-order", stack.namespace, "")
-    worker = start_worker(stack, "worker", "--backend", "sim", *argv).proc
-    kids = wait_children(worker)
-    wait_until(lambda: stack.registered_workers() >= 1, 60, "the worker registered", [worker])
+    worker, kids = registered_sim_worker(tmp_path, group, base_model, "tiny-order", "nsorder")
     folder = private_folder(worker)
     started = time.monotonic()
     os.killpg(worker.pid, signal.SIGTERM)  # NeMo RL's stop, 15 s before its SIGKILL
