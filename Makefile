@@ -27,7 +27,7 @@ LOW_VLLM := 0.23.0
 LOW_TORCH := 2.11.0
 LOW_STAMP := $(LOW_VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.toml | cut -c1-12)
 LOW_SUITES := tests/bridge tests/vllm_engine/test_vllm_gloo_transfer.py \
-  tests/e2e/test_e2e_worker_command.py tests/cluster/test_cluster_nemo_rl_replay.py
+  tests/e2e/test_e2e_worker_command.py tests/e2e/test_e2e_weight_refusal.py tests/cluster/test_cluster_nemo_rl_replay.py
 
 .PHONY: all install install-low cluster-deps proto proto-check proto-lint lint test test-low test-fast test-cluster conformance run bench soak train-demo clean
 

@@ -279,10 +279,10 @@ class _TimedRoutes(RefitClient):
 
     intervals: list[tuple[float, float]]
 
-    async def _load(self, worker: str, source: WeightSource) -> None:
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
         started = time.monotonic()
         try:
-            await super()._load(worker, source)
+            return await super()._load(worker, source, expect)
         finally:
             self.intervals.append((started, time.monotonic()))
 
@@ -292,10 +292,10 @@ class _TimedContract(EngineRefitClient):
 
     intervals: list[tuple[float, float]]
 
-    async def _load(self, worker: str, source: WeightSource) -> None:
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
         started = time.monotonic()
         try:
-            await super()._load(worker, source)
+            return await super()._load(worker, source, expect)
         finally:
             self.intervals.append((started, time.monotonic()))
 

@@ -294,10 +294,14 @@ class CatchUp:
                 await self.engine.pause_generation(
                     pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT, clear_cache=False)
                 )
+        # Fenced on the count read with the decision: a trainer's load or label in
+        # between (a refit starting meanwhile) makes this one refused, and the
+        # next round decides again from a fresh read (contract revision 10).
+        options = pb.WeightUpdateOptions(
+            weight_version=version, expect_weight_changes=state.weight_changes
+        )
         await self.engine.update_weights_from_path(
-            pb.UpdateWeightsFromPathRequest(
-                path=path, options=pb.WeightUpdateOptions(weight_version=version)
-            )
+            pb.UpdateWeightsFromPathRequest(path=path, options=options)
         )
 
 

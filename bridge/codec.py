@@ -561,6 +561,18 @@ def cancelled_chunk(prompt_tokens: int, completion_tokens: int = 0) -> Chunk:
     }
 
 
+def refusal_chunk(refusal: wire.WeightVersionRefusal, prompt_tokens: int) -> Chunk:
+    """The one chunk of a version-guarded rollout refused with the fleet's versions
+    (``bridge.weight_refusal``): nothing generated, ``engine_data`` holding the
+    refusal instead of the result. An answer, not an error: no frontend passes an
+    error's words on, every one passes ``engine_data``. "cancelled" (the frontend
+    shows "stop"), as a rollout ended early."""
+    chunk = cancelled_chunk(prompt_tokens)
+    chunk["text"] = ""
+    chunk["engine_data"] = {wire.REFUSAL_KEY: wire.encode_refusal(refusal)}
+    return chunk
+
+
 def _token_ids(request: Mapping[str, Any]) -> list[int]:
     ids = request.get("token_ids")
     if not ids:

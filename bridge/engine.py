@@ -59,7 +59,10 @@ class BridgeEngine(LLMEngine):
         # gave up on its registration, so that a supervisor restarts it.
         self.exit_code = 0
         self.rl_admin = RlAdmin(
-            lambda: self.link.client, self.registration, self.runner.engine_request_id
+            lambda: self.link.client,
+            self.registration,
+            self.runner.engine_request_id,
+            watch=lambda: self.link.watch,
         )
         # vLLM's series, added to the system port's /metrics as dynamo.vllm has them.
         self.engine_series = EngineSeries(

@@ -77,6 +77,19 @@ class EngineLink:
         )
 
     @property
+    def watch(self) -> EngineWatch | None:
+        """The engine server's health watch, once started (the RL sleep and wake
+        routes ask it to recheck: ``EngineWatch.recheck``)."""
+        return self._watch
+
+    @property
+    def committed_store(self) -> CommittedStore | None:
+        """Where the fleet's committed record lives, when catch-up reads one (a
+        version-guarded rollout's refusal is judged against it:
+        ``bridge.weight_refusal``)."""
+        return self._store
+
+    @property
     def serving(self) -> bool:
         """False while the server is wedged, gone, refused or catching up: fail
         requests fast (migratable)."""

@@ -8,6 +8,13 @@ with a retryable error and leaves the router's pool while the engine cannot
 serve, and comes back when it answers again. Requests still waiting on an
 engine server that stays unresponsive past ``stall_timeout_s`` are failed
 (retryable), so that none hangs for good.
+
+It reports changes it sees, and an outage shorter than its ``failures`` probes
+(a sleep and a wake within half a second) it never sees. Whoever takes the
+worker out of the pool on the engine's behalf (the RL ``control/sleep`` route)
+therefore calls ``recheck()``: the next SERVING answer is reported as serving
+again however the engine came back (woken over the route, over gRPC, by
+anyone), so that the worker rejoins the pool.
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ class EngineWatch:
         self.serving = True
         self.down_since: float | None = None
         self._task: asyncio.Task[None] | None = None
+        # recheck() marks made, the last one a SERVING answer was reported for, and
+        # the last one whose probe round has finished (checked() waits on it).
+        self._marks = 0
+        self._retold = 0
+        self._checked = 0
+        self._round_done = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-watch")
@@ -58,12 +71,39 @@ class EngineWatch:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    def recheck(self) -> int:
+        """The owner left the pool itself (its engine goes to sleep) or finds itself
+        out of it while its engine serves: report the next SERVING answer as serving
+        again even if this watch saw no outage (the owner re-reads the server and
+        rejoins). Only probes started after this call count. Returns the mark for
+        ``checked``."""
+        self._marks += 1
+        return self._marks
+
+    async def checked(self, mark: int) -> None:
+        """Until a probe started after ``recheck()`` returned ``mark`` has been
+        answered and reacted to (or the watch has stopped)."""
+        while self._checked < mark and self._task is not None and not self._task.done():
+            await self._round_done.wait()
+
+    def _round_finished(self, mark: int) -> None:
+        self._checked = max(self._checked, mark)
+        done, self._round_done = self._round_done, asyncio.Event()
+        done.set()
+
     async def _run(self) -> None:
+        try:
+            await self._probe_loop()
+        finally:
+            self._round_finished(self._marks)  # nobody waits on a watch that ended
+
+    async def _probe_loop(self) -> None:
         failed = 0
         stall_reported = False
         unreachable_since: float | None = None
         while True:
             started = time.monotonic()
+            mark = self._marks  # the rechecks this answer can settle
             health = await self._client.health()
             now = time.monotonic()
             ok = health is Health.SERVING
@@ -79,7 +119,11 @@ class EngineWatch:
                 if not self.serving:
                     down = now - (self.down_since or now)
                     self.serving, self.down_since = True, None
+                    self._retold = mark
                     await self._tell(True, f"engine server serving again after {down:.1f}s")
+                elif self._retold < mark:
+                    self._retold = mark
+                    await self._tell(True, "engine server serving (rechecked: out of the pool)")
             else:
                 failed += 1
                 if self.serving and failed >= self.failures:
@@ -103,6 +147,7 @@ class EngineWatch:
                 ):
                     self._on_gone()
                     return
+            self._round_finished(mark)
             await asyncio.sleep(max(0.0, self.interval_s - (now - started)))
 
     async def _tell(self, serving: bool, reason: str) -> None:

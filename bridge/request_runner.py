@@ -23,7 +23,7 @@ from dynamo._core import Context
 from dynamo.common.backend.engine import GenerateChunk, GenerateRequest
 from dynamo.common.backend.health_check import is_probe
 
-from bridge import codec, errors, metrics
+from bridge import codec, errors, metrics, weight_refusal
 from bridge.client import EngineClient
 from bridge.config import BridgeConfig
 from bridge.dynamo_compat import normalize_request_token_ids
@@ -34,6 +34,7 @@ from bridge.rollout_text import RolloutText
 from engine_contract import WEIGHT_GUARD_REVISION
 from engine_contract.trace import trace_context
 from engine_contract.v1 import engine_pb2 as pb
+from rl_client.wire import WeightVersionRefusal
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +191,53 @@ class RequestRunner:
         except TimeoutError:
             call.cancel()
             raise errors.rollout_timed_out(timeout) from None
+        except grpc.aio.AioRpcError as e:
+            refusal = await self._judge_refusal(client, entry, message, e)
+            if refusal is None:
+                raise
+            yield codec.refusal_chunk(refusal, len(message.prompt_token_ids))
+            return
         metrics.HOPS["rollout", streamed].observe(started)
         if response.instance_id and response.instance_id != link.instance_id:
             link.note_instance(response.instance_id)  # swapped under us: re-read it
         text = self._text.decode(response.token_ids) if spec.text else ""
         yield codec.rollout_chunk(response, text)
+
+    async def _judge_refusal(
+        self,
+        client: EngineClient,
+        entry: InFlight,
+        message: pb.RolloutRequest,
+        err: grpc.aio.AioRpcError,
+    ) -> WeightVersionRefusal | None:
+        """The refusal to answer, naming the fleet's versions, when ``err`` is the
+        engine server's refusal of the rollout's weight version and the fleet's
+        committed record says what it means (``bridge.weight_refusal``); None: the
+        failure goes on as it came (migratable, for a refusal)."""
+        store = self.link.committed_store
+        if (
+            store is None
+            or entry.aborted
+            or not message.HasField("required_weight_version")
+            or not weight_refusal.is_guard_refusal(err)
+        ):
+            return None
+        refusal = await weight_refusal.refusal_for(
+            message.required_weight_version,
+            client.get_load,
+            store,
+            self.config.client.control_timeout_s,
+            instance_id=self.link.instance_id,
+            request_id=entry.request_id,
+        )
+        if refusal is not None:
+            log.log(
+                logging.DEBUG if refusal.retryable else logging.WARNING,
+                "rollout %s: %s",
+                entry.request_id,
+                refusal.message,
+            )
+        return refusal
 
     async def _completion(
         self, client: EngineClient, entry: InFlight, request: GenerateRequest

@@ -45,7 +45,13 @@ this file and ``v1/__init__.py`` are written by hand.
 #      publish them in its worker's /metrics as dynamo.vllm does (an older
 #      server answers UNIMPLEMENTED: clients call it only on servers of
 #      ENGINE_METRICS_REVISION or later).
-CONTRACT_REVISION = 9
+#  10  Weight fencing: RefitState.weight_changes counts the weight and label
+#      changes begun; loads (WeightUpdateOptions), StartWeightUpdate and
+#      UpdateWeightVersion may carry expect_weight_changes and are refused
+#      FAILED_PRECONDITION, nothing changed, when the counter moved on (another
+#      writer came first). Clients send it only to servers of
+#      WEIGHT_FENCE_REVISION or later (an older server ignores it).
+CONTRACT_REVISION = 10
 MINIMUM_CLIENT_REVISION = 1
 MINIMUM_SERVER_REVISION = 1
 # The first server revision that serves Rollouts (clients fall back to Rollout
@@ -60,6 +66,8 @@ PACED_GENERATES_REVISION = 6
 WEIGHT_GUARD_REVISION = 8
 # The first server revision that serves GetEngineMetrics.
 ENGINE_METRICS_REVISION = 9
+# The first server revision that fences weight changes (expect_weight_changes).
+WEIGHT_FENCE_REVISION = 10
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
@@ -72,5 +80,6 @@ __all__ = [
     "PACED_GENERATES_REVISION",
     "ROLLOUTS_STREAM_REVISION",
     "SERVICE_NAME",
+    "WEIGHT_FENCE_REVISION",
     "WEIGHT_GUARD_REVISION",
 ]

@@ -56,6 +56,12 @@ class UpdateRefusal(enum.Enum):
     )
 
 
+# How a fenced weight or label change another writer overtook is refused
+# (contract revision 10): the words a client recognises it by, over gRPC
+# (FAILED_PRECONDITION) and the RL routes alike.
+STALE_WRITER = "a stale writer"
+
+
 class PhaseRefusal(enum.Enum):
     """A weight-transfer phase out of order (FAILED_PRECONDITION); the value is the
     engine server's answer, which the RL routes recognise to name the order."""

@@ -61,8 +61,10 @@ def update_requests(
     allow_unpaused: bool = False,
     allow_partial: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    expect_weight_changes: int | None = None,
 ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
-    """The request stream for ``UpdateWeightsFromTensors``."""
+    """The request stream for ``UpdateWeightsFromTensors`` (``expect_weight_changes``:
+    the fence, contract revision 10)."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     items = list(tensors)
@@ -78,6 +80,8 @@ def update_requests(
         options.weight_version = weight_version
     if reset_prefix_cache is not None:
         options.reset_prefix_cache = reset_prefix_cache
+    if expect_weight_changes is not None:
+        options.expect_weight_changes = expect_weight_changes
     options.allow_unpaused = allow_unpaused
     options.allow_partial = allow_partial
     yield pb.UpdateWeightsFromTensorsRequest(manifest=manifest)

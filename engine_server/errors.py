@@ -94,7 +94,10 @@ class WeightVersionMismatch(ServerError):
     cannot serve: nothing of it is returned. ABORTED, the code for a test-and-set
     that failed: retryable at a higher level, later (a refit under way) or on a
     server that serves the version, where FAILED_PRECONDITION would say "not until
-    someone fixes the state" and UNAVAILABLE "this server is down"."""
+    someone fixes the state" and UNAVAILABLE "this server is down". The message
+    begins with the field's name: the bridge tells the refusal by it
+    (``bridge.weight_refusal.GUARD_REFUSAL_PREFIX``) and judges it against the
+    fleet's committed record."""
 
     code = grpc.StatusCode.ABORTED
 
@@ -117,6 +120,11 @@ class RefitRefused(ServerError):
     """A refit step the engine cannot do now, or at all (the message says which)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StaleWriter(RefitRefused):
+    """A weight or label change fenced on a count of changes the engine has moved
+    past (contract revision 10): another writer came first; nothing changed."""
 
 
 # The refit rules' refusals (engine_contract.refit_rules): each message is the

@@ -17,6 +17,11 @@ engine (``backends/refit.py``). What lives here:
   the whole update succeeded; the prefix cache is reset after loading, and the
   reset reaches the KV-event stream at once.
 - **Versions**: the label serving now, and whether anyone declared one.
+- **The fence** (contract revision 10): ``weight_changes`` counts every weight
+  or label change begun (one that failed part way too). A writer that read it
+  may say which count it expects; when another writer came first (a second
+  trainer, a catching-up bridge, a keeper) the change is refused before
+  anything is touched, so no writer's load is overtaken by another's label.
 - **Deadlines** (``RefitConfig``): no refit call holds the lock for good. A path
   is resolved, held to the allowed folders and its headers read (in a thread,
   under the check deadline) before the backend sees it: anything wrong there,
@@ -62,6 +67,7 @@ from engine_server.errors import (
     RefitRefused,
     RefitTimedOut,
     ServerError,
+    StaleWriter,
     UpdateStalled,
     WeightsPathDenied,
     clip,
@@ -225,6 +231,8 @@ class RefitControl:
         self.sleeping = False
         self.version_declared = False
         self._version = "default"
+        # Weight and label changes begun (the fence; revision 10).
+        self.weight_changes = 0
         self._changed = asyncio.Event()
         # Told when paused or asleep changes (the server's health follows sleep).
         self.on_state_change = on_state_change
@@ -255,7 +263,24 @@ class RefitControl:
             sleeping=self.sleeping,
             weight_version=self._version,
             weight_version_declared=self.version_declared,
+            weight_changes=self.weight_changes,
         )
+
+    def _fence(self, expect: int | None) -> None:
+        """Refuse a writer that expects another count of changes: someone changed
+        the weights or their label since it looked. Under the lock, before
+        anything is touched (the change counts once it begins: ``_begin``)."""
+        if expect is not None and expect != self.weight_changes:
+            raise StaleWriter(
+                f"{refit_rules.STALE_WRITER}: it expected weight change {expect}, but the "
+                f"engine is at {self.weight_changes} (serving {self._version!r}): another writer "
+                "changed the weights or their label since; nothing was changed"
+            )
+
+    def _begin(self) -> None:
+        """A weight or label change begins: counted, whether or not it ends well
+        (a load refused before anything loaded is uncounted: ``_load``)."""
+        self.weight_changes += 1
 
     async def _changing(self, step: Awaitable[T], version: str | None = None) -> T:
         """``step``, which changes the weights (or sets the label ``version``), once
@@ -368,6 +393,9 @@ class RefitControl:
         refusal = refit_rules.update_refusal(options, paused=self.paused is not None)
         if refusal is not None:
             raise UPDATE_REFUSALS[refusal]()
+        self._fence(
+            options.expect_weight_changes if options.HasField("expect_weight_changes") else None
+        )
         # An unpaused update resets nothing (running requests hold the cache).
         reset = options.reset_prefix_cache if options.HasField("reset_prefix_cache") else True
         return reset and refit_rules.needs_pause(options)
@@ -382,6 +410,7 @@ class RefitControl:
         try:
             return await _to_the_end(self._changing(step), timeout_s)
         except WeightUpdateError as e:
+            self.weight_changes -= 1  # refused before anything loaded: no change
             raise InvalidRequest(field, f"{e}; the old weights still serve") from e
         except RefitUnsupported as e:
             raise _unsupported(e) from e
@@ -433,6 +462,7 @@ class RefitControl:
             tensors=load.tensors,
             bytes=load.bytes,
             load_ms=round((time.monotonic() - started) * 1000),
+            weight_changes=self.weight_changes,
         )
 
     async def update_from_path(
@@ -449,6 +479,7 @@ class RefitControl:
             path = request.path
             if self._backend.rl_capabilities().update_from_path:  # else: it says why not
                 path = await self._checked_path(path)
+            self._begin()
             load = await self._load(
                 self._backend.load_weights_from_path(
                     path, allow_partial=request.options.allow_partial
@@ -514,6 +545,7 @@ class RefitControl:
             if left <= 0:  # every byte came, just too late: still nothing loaded
                 await writer.discard()
                 raise late
+            self._begin()
             try:
                 load = await self._load(
                     writer.commit(), "tensors", "committing the streamed weights", left
@@ -582,6 +614,7 @@ class RefitControl:
             if self._transfer is not None:
                 raise RefitRefused(refit_rules.PhaseRefusal.ALREADY_STARTED.value)
             reset = self._check_update(options)
+            self._begin()
             await self._transfer_step(
                 self._changing(self._backend.start_weight_update()), "StartWeightUpdate", _SETUP
             )
@@ -689,10 +722,17 @@ class RefitControl:
         self._version = version
         self.version_declared = True
 
-    async def update_version(self, version: str) -> pb.UpdateWeightVersionResponse:
+    async def update_version(
+        self, version: str, expect: int | None = None
+    ) -> pb.UpdateWeightVersionResponse:
+        _check_version("weight_version", version)
         async with self._lock:
+            self._fence(expect)
+            self._begin()
             await self._set_version(version)
-            return pb.UpdateWeightVersionResponse(weight_version=self._version)
+            return pb.UpdateWeightVersionResponse(
+                weight_version=self._version, weight_changes=self.weight_changes
+            )
 
     # -- sleep -----------------------------------------------------------------
 

@@ -264,7 +264,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self._core.serving()  # UNAVAILABLE until the engine is up
         refit = self._core.refit
         return pb.GetWeightVersionResponse(
-            weight_version=refit.version, declared=refit.version_declared
+            weight_version=refit.version,
+            declared=refit.version_declared,
+            weight_changes=refit.weight_changes,
         )
 
     @rpc
@@ -272,7 +274,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.UpdateWeightVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightVersionResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        return await self._core.refit.update_version(request.weight_version)
+        expect = (
+            request.expect_weight_changes if request.HasField("expect_weight_changes") else None
+        )
+        return await self._core.refit.update_version(request.weight_version, expect)
 
     @rpc
     async def Sleep(

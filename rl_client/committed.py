@@ -19,6 +19,11 @@ settings (``DYN_DISCOVERY_BACKEND``, default etcd):
   as Dynamo's file store writes its own. No Dynamo process opens this bucket,
   so none expires it (Dynamo expires files only in the buckets it keeps alive).
 
+Writing is a compare-and-set (``swap``): a record is replaced only while it
+still holds what its writer read, so two writers never restore or overwrite
+each other's commit. Writers take the fleet's lease first
+(``rl_client.fleet_lease``, the same store).
+
 Reading never blocks or crashes, whatever the store holds: the record is at most
 ``MAX_RECORD_BYTES``, a regular file opened without blocking, and anything else (a
 FIFO, a folder, bad or hostile JSON) is a ValueError naming what is wrong, so a
@@ -53,6 +58,7 @@ from typing import Any, Protocol
 from engine_contract.labels import label_problem
 from engine_contract.tensors import Tensor
 from rl_client import etcd_gateway
+from rl_client.fleet_lease import EtcdFleetLease, FileFleetLease, FleetLease
 
 # Where the record lives in the store (Dynamo's buckets are v1/<name>).
 BUCKET = "v1/rl_weights"
@@ -294,6 +300,18 @@ def _read_capped(path: Path) -> bytes | None:
         os.close(fd)
 
 
+class Unread:
+    """``swap``'s ``expected`` for a record its writer could not read (a FIFO, say):
+    replaced whatever it holds."""
+
+
+UNREAD = Unread()
+
+
+class RecordChanged(RuntimeError):
+    """A compare-and-set found another record than its writer read: not written."""
+
+
 class CommittedStore(Protocol):
     """Where the fleet's record lives. Blocking calls (a file, or one HTTP request
     with a deadline): async callers run them with ``asyncio.to_thread``."""
@@ -301,10 +319,32 @@ class CommittedStore(Protocol):
     def read(self) -> CommittedRecord | None:
         """The record, or None when none was ever published."""
 
-    def publish(self, record: CommittedRecord) -> None: ...
+    def read_raw(self) -> bytes | None:
+        """The record's bytes as stored (what ``swap`` compares), unparsed; None
+        when there is none; ValueError when what is there cannot be read."""
+
+    def swap(self, expected: bytes | Unread | None, new: bytes | None) -> None:
+        """``new`` (None: no record) in place of ``expected``; RecordChanged, nothing
+        written, when the store holds anything else."""
+
+    def publish(self, record: CommittedRecord) -> None:
+        """Written whatever the store holds (a trainer's ``committed=``)."""
 
     def delete(self) -> None:
         """No record (what the store held before the first publish)."""
+
+    def lease(self) -> FleetLease:
+        """The fleet's one-writer lease, kept beside the record."""
+
+
+def _changed(expected: bytes | None, found: bytes | None) -> RecordChanged:
+    def what(raw: bytes | None) -> str:
+        return "no record" if raw is None else _brief(raw.decode(errors="replace"))
+
+    return RecordChanged(
+        f"the committed-weights record changed since it was read (expected {what(expected)}, "
+        f"found {what(found)}): another writer published meanwhile; not written"
+    )
 
 
 def record_key(namespace: str, component: str) -> str:
@@ -334,12 +374,35 @@ class FileCommittedStore:
         raw = _read_capped(self.path)
         return None if raw is None else CommittedRecord.from_json(raw)
 
+    def read_raw(self) -> bytes | None:
+        return _read_capped(self.path)
+
+    def lease(self) -> FleetLease:
+        return FileFleetLease(self.path.with_name(f"{self.path.name}.lease"))
+
+    def swap(self, expected: bytes | Unread | None, new: bytes | None) -> None:
+        # One file cannot be compared and renamed in one step: the compare holds
+        # against every writer that takes the fleet's lease first (they all do).
+        if not isinstance(expected, Unread):
+            try:
+                found = _read_capped(self.path)
+            except ValueError as e:  # not what the writer read, which it could read
+                raise RecordChanged(f"{e}; it was readable when read: not written") from e
+            if found != expected:
+                raise _changed(expected, found)
+        if new is None:
+            self.delete()
+        else:
+            self._write(new)
+
     def publish(self, record: CommittedRecord) -> None:
+        self._write(record.to_json())
+
+    def _write(self, raw: bytes) -> None:
         # Atomic, as Dynamo's store writes (its watchers skip ".tmp_" names): a
         # reader sees the old record or the new one, never half of one. The temp
         # name is this writer's own (process, thread, random), so two writers never
         # rename each other's file; a failed write leaves none behind.
-        raw = record.to_json()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(
             prefix=f".tmp_{self.path.name}.{os.getpid()}.{threading.get_ident()}.",
@@ -382,6 +445,36 @@ class EtcdCommittedStore:
 
     def read(self) -> CommittedRecord | None:
         """The record, with the file's checks on the value (and on the answer's shape)."""
+        raw = self.read_raw()
+        return None if raw is None else CommittedRecord.from_json(raw)
+
+    def lease(self) -> FleetLease:
+        return EtcdFleetLease(self.endpoints, self.key + b"/lease", timeout_s=self.timeout_s)
+
+    def swap(self, expected: bytes | Unread | None, new: bytes | None) -> None:
+        key = etcd_gateway.b64(self.key)
+        if isinstance(expected, Unread):
+            compare: list[dict[str, Any]] = []
+        elif expected is None:
+            compare = [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}]
+        else:
+            value = etcd_gateway.b64(expected)
+            compare = [{"key": key, "target": "VALUE", "result": "EQUAL", "value": value}]
+        change: dict[str, Any] = (
+            {"request_delete_range": {"key": key}}
+            if new is None
+            else {"request_put": {"key": key, "value": etcd_gateway.b64(new)}}
+        )
+        answer = self._call("kv/txn", {"compare": compare, "success": [change]})
+        if not answer.get("succeeded"):
+            try:
+                found = self.read_raw()
+            except ValueError:
+                found = None
+            if not isinstance(expected, Unread):
+                raise _changed(expected, found)
+
+    def read_raw(self) -> bytes | None:
         answer: object = self._call("kv/range", {"key": etcd_gateway.b64(self.key)})
         if not isinstance(answer, dict):
             raise ValueError(f"etcd's answer is not a JSON object: {_brief(answer)}")
@@ -402,7 +495,7 @@ class EtcdCommittedStore:
             raw = base64.b64decode(value, validate=True)
         except binascii.Error as e:
             raise ValueError(f"the committed-weights record in etcd is not base64: {e}") from e
-        return CommittedRecord.from_json(raw)
+        return raw
 
     def publish(self, record: CommittedRecord) -> None:
         value = etcd_gateway.b64(record.to_json())

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from rl_client import wire
-from rl_client.wire import WireError
+from rl_client.wire import WeightVersionRefusal, WireError
 
 __all__ = [
     "RETRYABLE_STATUSES",
@@ -30,6 +30,7 @@ __all__ = [
     "RolloutHTTPError",
     "RolloutResult",
     "RoutedExperts",
+    "WeightVersionRefusedError",
     "WireError",
     "build_rollout_body",
     "parse_rollout_response",
@@ -66,12 +67,56 @@ class RolloutCancelledError(RuntimeError):
     """
 
 
+class WeightVersionRefusedError(RuntimeError):
+    """A rollout held to a weight version (``weight_version=``) that a worker
+    refused, naming the version it requires (``required``), the one that worker
+    serves (``serving``) and the fleet's committed one (``committed``).
+
+    ``retryable`` False: the fleet has moved on from ``required`` (the worker
+    serves the committed version with no refit under way), so no worker will serve
+    it again: raised at the first try, never sent again. True: a refit is under
+    way on that worker and may bring it: retried as ``RetryPolicy`` says, raised
+    once the tries are spent. A bridge answers this only where it reads the
+    fleet's committed record (catch-up on, a record published); otherwise a
+    refusal reaches the driver as the frontend's HTTP 503 (500 on Dynamo
+    1.3.0.post1), without the versions.
+    """
+
+    def __init__(self, refusal: WeightVersionRefusal) -> None:
+        super().__init__(
+            refusal.message
+            or (
+                f"weight version {refusal.required!r} refused (required {refusal.required!r}, "
+                f"serving {refusal.serving!r}, committed {refusal.committed!r})"
+            )
+        )
+        self.refusal = refusal
+
+    @property
+    def required(self) -> str:
+        return self.refusal.required
+
+    @property
+    def serving(self) -> str:
+        return self.refusal.serving
+
+    @property
+    def committed(self) -> str:
+        return self.refusal.committed
+
+    @property
+    def retryable(self) -> bool:
+        return self.refusal.retryable
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently a rollout is sent again.
 
-    ``attempts`` counts the first try. Retried: HTTP 408, 429 and 5xx, and
-    connection errors (refused, reset, dropped mid-answer); never another 4xx.
+    ``attempts`` counts the first try. Retried: HTTP 408, 429 and 5xx, connection
+    errors (refused, reset, dropped mid-answer) and a weight-version refusal during
+    a refit (``WeightVersionRefusedError.retryable``); never another 4xx, nor a
+    refusal of a version the fleet has moved on from.
     The pause before try n+1 is ``min(max_s, initial_s * 2**(n-1))``, times a
     random factor in [1 - jitter, 1 + jitter], so that many drivers retrying
     at once spread out.
@@ -219,9 +264,12 @@ def build_rollout_body(
 
 def parse_rollout_response(body: Mapping[str, Any]) -> RolloutResult:
     """Rebuild the result from ``nvext.engine_data``; raises WireError when malformed,
-    RolloutCancelledError when the rollout was cancelled before it finished."""
+    RolloutCancelledError when the rollout was cancelled before it finished,
+    WeightVersionRefusedError when a worker refused its weight version."""
     nvext = body.get("nvext") or {}
     engine_data = nvext.get("engine_data")
+    if isinstance(engine_data, Mapping) and wire.REFUSAL_KEY in engine_data:
+        raise WeightVersionRefusedError(wire.decode_refusal(engine_data[wire.REFUSAL_KEY]))
     if not isinstance(engine_data, Mapping) or wire.WIRE_KEY not in engine_data:
         reason = _finish_reason(body)
         if reason in ("cancelled", "abort", "aborted"):
@@ -347,10 +395,15 @@ class RolloutClient:
     ) -> RolloutResult:
         """One rollout, retried as ``retry`` says. ``weight_version``: the weight
         version (the label a refit set) every token must come from. A worker serving
-        another refuses it before generating (HTTP 503 once the frontend's
-        migrations are spent, retried like any 503: a refit under way may end, another
-        worker may serve it); one whose weights change under it (a KEEP-mode refit)
-        ends it there: finish reason "weight_version_changed", the tokens so far."""
+        another refuses it before generating. Where its bridge reads the fleet's
+        committed record, the refusal is ``WeightVersionRefusedError`` naming the
+        required, serving and committed versions: raised at once when the fleet has
+        moved on from it (no worker will serve it again), retried while a refit is
+        under way on that worker. Otherwise it is HTTP 503 once the frontend's
+        migrations are spent, retried like any 503 (a refit under way may end,
+        another worker may serve it). A worker whose weights change under it (a
+        KEEP-mode refit) ends it there: finish reason "weight_version_changed", the
+        tokens so far."""
         if max_tokens == 0:
             # The frontend refuses max_tokens 0 (HTTP 400); the answer is known anyway.
             return RolloutResult.nothing_generated(len(prompt_token_ids))
@@ -375,10 +428,15 @@ class RolloutClient:
                 return await self._post(body)
             except (
                 RolloutHTTPError,
+                WeightVersionRefusedError,
                 aiohttp.ClientConnectionError,
                 aiohttp.ClientPayloadError,
             ) as e:
-                retryable = not isinstance(e, RolloutHTTPError) or e.retryable
+                retryable = (
+                    e.retryable
+                    if isinstance(e, RolloutHTTPError | WeightVersionRefusedError)
+                    else True
+                )
                 if not retryable or attempt == policy.attempts:
                     raise
                 pause = policy.delay(attempt)

@@ -21,6 +21,11 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def b64decode(text: str) -> bytes:
+    """A key or value the gateway answered with."""
+    return base64.b64decode(text, validate=True)
+
+
 def env_endpoints(env: Mapping[str, str]) -> list[str]:
     """The endpoints Dynamo's processes with this environment use (``ETCD_ENDPOINTS``)."""
     return env.get("ETCD_ENDPOINTS", DEFAULT_ENDPOINTS).split(",")

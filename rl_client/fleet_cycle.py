@@ -12,6 +12,18 @@ of the router's pool (asleep: health NOT_SERVING, which its bridge follows)
 rather than serve a third version. ``RefitError`` carries the report: each
 worker's outcome, its timings, and why.
 
+One writer at a time, and every pause undone. With a ``store``, a refit holds
+the fleet's lease (``rl_client.fleet_lease``) from before its first call to
+after its last: a second trainer is refused at once, naming the holder. Each
+load and label is fenced on the engine's count of weight changes read after
+the pause (contract revision 10), so a writer overtaken by another (a
+catching-up bridge) is refused rather than labelling someone else's weights;
+the record is written only while it holds what the refit read
+(compare-and-set). A refit that is cancelled, times out or raises rolls back
+the workers it sent weights to and resumes every worker it paused, before the
+cancellation goes on (``last_report`` says so). A worker that serves the
+store's committed version is never taken out of the pool.
+
 Here once, so that both ways in (``rl_client.refit``: ``RefitClient`` over the
 RL routes, ``EngineRefitClient`` over the contract) follow the same rules: each
 is a ``_Cycle`` that says how to pause, load, label, resume, probe and sleep one
@@ -21,22 +33,26 @@ worker. No Dynamo import here: trainers install only the ``driver`` extra.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
 
 from engine_contract.labels import label_problem
-from engine_contract.refit_rules import pause_mode
+from engine_contract.refit_rules import STALE_WRITER, pause_mode
 from rl_client.committed import (
+    UNREAD,
     CommittedRecord,
     CommittedStore,
     CommittedWeights,
+    Unread,
     WeightSource,
 )
+from rl_client.fleet_lease import Leased, default_owner, holding
 
 __all__ = [
     "Deadlines",
@@ -60,6 +76,9 @@ class Outcome(enum.Enum):
     # Could not be brought back; out of the router's pool (asleep, or its engine
     # server not serving or not answering, which its bridge follows).
     REMOVED = "removed"
+    # Could not be brought back, but serves the store's committed version (another
+    # writer's): left serving, never taken out.
+    ON_COMMITTED = "serving the committed version"
 
 
 class Health(enum.Enum):
@@ -78,14 +97,19 @@ class Deadlines:
     Past it the call is cancelled and the worker counts as failed. Its engine may
     still finish the step (an engine server never stops a load half way), which
     is why such a worker is sent the rollback too: the engine server runs it
-    after, under its refit lock. Loads have no limit by default (a large
-    checkpoint loads for its time, a WAIT pause lasts until the rollouts in
-    flight end); labelling, resuming, health and sleep get ``control_s``."""
+    after, under its refit lock. A pause gets two minutes (a WAIT pause lasts
+    until the rollouts in flight end; a worker that does not stop by then fails
+    the refit and every other worker resumes); a load has no limit by default (a
+    large checkpoint loads for its time), a rollback half an hour (the engine
+    server's own refit deadline); labelling, resuming, health and sleep get
+    ``control_s``. ``lease_s``: the fleet lease's time to live, renewed every
+    third of it while the refit runs (a trainer that dies frees the fleet then)."""
 
-    pause_s: float | None = None
+    pause_s: float | None = 120.0
     update_s: float | None = None
-    rollback_s: float | None = None
+    rollback_s: float | None = 1800.0
     control_s: float | None = 30.0
+    lease_s: float = 30.0
 
 
 _STAGES = ("pause", "update", "label", "rollback", "resume")
@@ -110,6 +134,15 @@ class WorkerRefit:
     stage: str = ""
     # Why it could not be brought back to the committed weights.
     rollback_error: str | None = None
+    # The engine's count of weight changes this refit expects next (the fence;
+    # None: not known, read again before a rollback, or an engine without one).
+    changes: int | None = None
+    # Whether a pause, or weights, were sent (what an interrupted refit undoes).
+    paused: bool = False
+    sent: bool = False
+    # Whether another writer changed its weights after this refit did (a fenced
+    # rollback refused): what it serves is theirs, not this refit's.
+    overtaken: bool = False
 
     @property
     def ok(self) -> bool:
@@ -149,6 +182,9 @@ class RefitReport:
     committed: bool = False
     # Why the record could not be written to the store (the refit then failed).
     publish_error: str | None = None
+    # Why the refit stopped part way (cancelled, timed out, raised); its pauses
+    # and loads were undone before it ended.
+    interrupted: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -244,13 +280,18 @@ class _Cycle(ABC):
         committed: CommittedWeights | None,
         store: CommittedStore | None,
         deadlines: Deadlines | None,
+        owner: str | None = None,
     ) -> None:
         # What the whole fleet serves: what a failed refit goes back to. Learnt
         # from each committed refit; None: from the store, else the start state.
         self.committed = committed
         self.store = store
         self.deadlines = deadlines or Deadlines()
+        # Who this writer is, as a second trainer's refusal names it.
+        self.owner = owner or default_owner()
         self._one_at_a_time = asyncio.Lock()
+        # The last refit's report, also one that was cancelled (and undone).
+        self.last_report: RefitReport | None = None
 
     # -- what each transport does -------------------------------------------
 
@@ -264,11 +305,21 @@ class _Cycle(ABC):
     async def _resume(self, worker: str) -> None: ...
 
     @abstractmethod
-    async def _load(self, worker: str, source: WeightSource) -> None:
-        """Load ``source``'s weights, the version label left as it is."""
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
+        """Load ``source``'s weights, the version label left as it is, fenced on
+        ``expect`` changes (None: unfenced); the engine's count after it, if known."""
 
     @abstractmethod
-    async def _label(self, worker: str, version: str) -> None: ...
+    async def _label(self, worker: str, version: str, expect: int | None) -> int | None:
+        """Label the weights ``version``, fenced as ``_load``."""
+
+    async def _changes(self, worker: str) -> int | None:
+        """The engine's count of weight changes (None: it keeps none, unfenced)."""
+        return None
+
+    @abstractmethod
+    async def _serving(self, worker: str) -> str:
+        """The version label the worker serves now."""
 
     @abstractmethod
     async def _health(self, worker: str) -> Health: ...
@@ -308,6 +359,15 @@ class _Cycle(ABC):
             )
         return {w: _Previous(committed.version, committed.source) for w in self._fleet()}
 
+    @contextlib.asynccontextmanager
+    async def _leased(self) -> AsyncIterator[Leased]:
+        """The fleet's lease for the refit (none without a store: nothing to share)."""
+        if self.store is None:
+            yield Leased()
+            return
+        async with holding(self.store.lease(), self.owner, self.deadlines.lease_s) as held:
+            yield held
+
     async def _run(
         self, version: str, source: WeightSource, mode: str, clear_cache: bool
     ) -> RefitReport:
@@ -315,7 +375,7 @@ class _Cycle(ABC):
         problem = label_problem(version)
         if problem is not None:
             raise ValueError(f"version {version!r}: {problem}")
-        async with self._one_at_a_time:
+        async with self._one_at_a_time, self._leased() as held:
             started = time.monotonic()
             try:
                 plan = await self._plan()
@@ -325,6 +385,7 @@ class _Cycle(ABC):
                     if entry.worker in e.errors:
                         entry._failed("pause", e.errors[entry.worker])
                 report.seconds = time.monotonic() - started
+                self.last_report = report
                 raise RefitError(report) from None
             previous = {p.version for p in plan.values()}
             report = RefitReport(
@@ -332,22 +393,56 @@ class _Cycle(ABC):
                 [WorkerRefit(w, version=plan[w].version) for w in self._fleet()],
                 previous=previous.pop() if len(previous) == 1 else None,
             )
-            await self._commit_or_roll_back(report, source, plan, mode, clear_cache)
-            staying = [
-                w
-                for w in report.workers
-                if w.outcome not in (Outcome.REMOVED, Outcome.ROLLBACK_FAILED)
-            ]
-
-            async def resume(entry: WorkerRefit) -> None:
-                await self._resume(entry.worker)
-                entry.resumed = True
-
-            await _each(staying, "resume", self.deadlines.control_s, resume)
-            report.seconds = time.monotonic() - started
+            self.last_report = report
+            try:
+                await self._commit_or_roll_back(report, source, plan, mode, clear_cache, held)
+                await self._resume_staying(report)
+            except BaseException as e:
+                report.interrupted = (
+                    "cancelled" if isinstance(e, asyncio.CancelledError) else _why(e)
+                )
+                await self._undo_shielded(report, plan)
+                raise
+            finally:
+                report.seconds = time.monotonic() - started
         if not report.ok:
             raise RefitError(report)
         return report
+
+    async def _resume_staying(self, report: RefitReport) -> None:
+        staying = [
+            w for w in report.workers if w.outcome not in (Outcome.REMOVED, Outcome.ROLLBACK_FAILED)
+        ]
+
+        async def resume(entry: WorkerRefit) -> None:
+            await self._resume(entry.worker)
+            entry.resumed = True
+
+        await _each(staying, "resume", self.deadlines.control_s, resume)
+
+    async def _undo_shielded(self, report: RefitReport, plan: dict[str, _Previous]) -> None:
+        """Undo an interrupted refit to its end, even when cancelled again meanwhile
+        (it then goes on without the caller)."""
+        undo = asyncio.ensure_future(self._undo(report, plan))
+        try:
+            await asyncio.shield(undo)
+        except asyncio.CancelledError:
+            undo.add_done_callback(lambda task: task.cancelled() or task.exception())
+        except Exception:
+            pass  # written into the report; the interruption is what is raised
+
+    async def _undo(self, report: RefitReport, plan: dict[str, _Previous]) -> None:
+        """After a cancellation or an error: every worker that was sent weights back
+        to the committed ones (unless the refit committed), and every worker that
+        was paused resumed."""
+        if not report.committed:
+            sent = [e for e in report.workers if e.sent and e.outcome is Outcome.UNCHANGED]
+            for entry in sent:
+                entry.changes = None  # the load may or may not have begun: read it again
+            if sent:
+                await self._roll_back(sent, plan, relabel=True)
+        left = [e for e in report.workers if e.paused and not e.resumed]
+        await self._resume_staying(RefitReport(report.version, left))
 
     async def _commit_or_roll_back(
         self,
@@ -356,6 +451,7 @@ class _Cycle(ABC):
         plan: dict[str, _Previous],
         mode: str,
         clear_cache: bool,
+        held: Leased,
     ) -> None:
         entries, limits = report.workers, self.deadlines
 
@@ -363,13 +459,18 @@ class _Cycle(ABC):
             return all(w.ok for w in entries)
 
         async def pause(entry: WorkerRefit) -> None:
+            entry.paused = True
             await self._pause(entry.worker, mode, clear_cache)
+            entry.changes = await self._changes(entry.worker)
 
         async def load(entry: WorkerRefit) -> None:
-            await self._load(entry.worker, source)
+            entry.sent = True
+            expect, entry.changes = entry.changes, None
+            entry.changes = await self._load(entry.worker, source, expect)
 
         async def label(entry: WorkerRefit) -> None:
-            await self._label(entry.worker, report.version)
+            expect, entry.changes = entry.changes, None
+            entry.changes = await self._label(entry.worker, report.version, expect)
 
         await _each(entries, "pause", limits.pause_s, pause)
         if not all_ok():  # nothing was sent: every worker keeps its weights
@@ -379,10 +480,10 @@ class _Cycle(ABC):
         if labelled:
             await _each(entries, "label", limits.control_s, label)
         weights = CommittedWeights(report.version, source)
-        published = False
         if all_ok():
-            published = await self._publish(report, weights)
-            if published:
+            if held.lost is not None:
+                report.publish_error = f"not published: {held.lost}"
+            elif await self._publish(report, weights):
                 report.committed = True
                 self.committed = weights
                 for entry in entries:
@@ -392,55 +493,79 @@ class _Cycle(ABC):
 
     async def _publish(self, report: RefitReport, weights: CommittedWeights) -> bool:
         """The commit point: the record says the new version, or the refit fails
-        (the record then holds what it held before)."""
+        (the record then holds what it held before). A compare-and-set: written
+        only while the record still holds what it held when read here."""
         store = self.store
         if store is None:
             return True
+        before: bytes | Unread | None
         try:
-            before = await asyncio.to_thread(store.read)
+            before = await asyncio.to_thread(store.read_raw)
         except ValueError:
-            before = None  # an unreadable record: replaced, or removed on failure
+            before = UNREAD  # an unreadable record: replaced, or removed on failure
         except Exception as e:
             report.publish_error = f"reading the record before writing it: {_why(e)}"
             return False
-        record = CommittedRecord.now(weights, self._fleet())
+        new = CommittedRecord.now(weights, self._fleet()).to_json()
         try:
-            await asyncio.to_thread(store.publish, record)
+            await asyncio.to_thread(store.swap, before, new)
             return True
         except Exception as e:
             report.publish_error = _why(e)
         try:  # it may have been written all the same: put back what was there
-            if before is None:
-                await asyncio.to_thread(store.delete)
-            else:
-                await asyncio.to_thread(store.publish, before)
+            restore = None if isinstance(before, Unread) else before
+            await asyncio.to_thread(store.swap, new, restore)
         except Exception as e:
-            report.publish_error += f"; restoring the previous record failed too: {_why(e)}"
+            report.publish_error += f"; restoring the previous record: {_why(e)}"
         return False
 
     async def _roll_back(
         self, entries: list[WorkerRefit], plan: dict[str, _Previous], *, relabel: bool
     ) -> None:
-        """Every worker back to the committed weights under its old version; one that
-        cannot go back leaves the router's pool."""
+        """Every worker back to the committed weights under its old version, fenced
+        on the count of changes this refit made; one that cannot go back leaves
+        the router's pool, unless it serves the store's committed version."""
 
         async def back(entry: WorkerRefit) -> None:
             previous = plan[entry.worker]
-            await self._load(entry.worker, previous.source)
-            if relabel:
-                await self._label(entry.worker, previous.version)
+            try:
+                if entry.changes is None:
+                    entry.changes = await self._changes(entry.worker)
+                expect, entry.changes = entry.changes, None
+                entry.changes = await self._load(entry.worker, previous.source, expect)
+                if relabel:
+                    expect, entry.changes = entry.changes, None
+                    entry.changes = await self._label(entry.worker, previous.version, expect)
+            except Exception as e:
+                entry.overtaken = STALE_WRITER in _why(e)
+                raise
 
         await _each(entries, "rollback", self.deadlines.rollback_s, back)
         for entry in entries:
             if entry.rollback_error is None:
                 entry.outcome = Outcome.ROLLED_BACK
                 entry.version = plan[entry.worker].version
-        await asyncio.gather(*(self._remove(e) for e in entries if e.rollback_error is not None))
+        failed = [e for e in entries if e.rollback_error is not None]
+        if failed:
+            committed = await self._committed_version()
+            await asyncio.gather(*(self._remove(e, committed) for e in failed))
 
-    async def _remove(self, entry: WorkerRefit) -> None:
+    async def _committed_version(self) -> str | None:
+        """The store's committed version now (None: no store, or none readable)."""
+        if self.store is None:
+            return None
+        try:
+            record = await asyncio.to_thread(self.store.read)
+        except Exception:
+            return None
+        return record.weights.version if record is not None else None
+
+    async def _remove(self, entry: WorkerRefit, committed: str | None) -> None:
         """Out of the pool a worker that could not be brought back: its engine
         server already says NOT_SERVING (its weights unknown) or does not answer, or
-        it is put to sleep now; the bridge follows its health and leaves."""
+        it is put to sleep now; the bridge follows its health and leaves. Never one
+        that another writer overtook and that serves the store's committed version
+        (its label is theirs; this refit's own label may lie about its weights)."""
         started = time.monotonic()
         limit = self.deadlines.control_s
         try:
@@ -448,6 +573,20 @@ class _Cycle(ABC):
                 health = await self._health(entry.worker)
         except Exception:
             health = Health.UNREACHABLE
+        if health is Health.SERVING and committed is not None and entry.overtaken:
+            try:
+                async with asyncio.timeout(limit):
+                    serving = await self._serving(entry.worker)
+            except Exception:
+                serving = None
+            if serving == committed:
+                entry.rollback_s += time.monotonic() - started
+                entry.outcome, entry.version = Outcome.ON_COMMITTED, committed
+                entry.rollback_error = (
+                    f"{entry.rollback_error}; left in the pool: it serves the committed "
+                    f"version {committed!r}"
+                )
+                return
         if health is Health.SERVING:
             try:
                 async with asyncio.timeout(limit):

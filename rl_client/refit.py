@@ -99,6 +99,13 @@ def _discovered(
     return workers
 
 
+def _count(answer: dict[str, Any]) -> int | None:
+    """The engine's count of weight changes in a route's answer (None: a bridge
+    or engine server that keeps none)."""
+    value = answer.get("weight_changes")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class RefitClient(_Cycle):
     """The cycle over Dynamo workers' RL admin routes (their system URLs).
 
@@ -204,15 +211,28 @@ class RefitClient(_Cycle):
     async def _resume(self, worker: str) -> None:
         await self.call(worker, "resume_generation")
 
-    async def _load(self, worker: str, source: WeightSource) -> None:
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
         if not isinstance(source, CheckpointSource):
             raise RouteError(
                 "the RL routes load checkpoints only; stream tensors over the contract"
             )
-        await self.call(worker, "update_weights_from_disk", {"model_path": source.path})
+        body: dict[str, Any] = {"model_path": source.path}
+        if expect is not None:
+            body["expect_weight_changes"] = expect
+        return _count(await self.call(worker, "update_weights_from_disk", body))
 
-    async def _label(self, worker: str, version: str) -> None:
-        await self.call(worker, "set_weight_version", {"weight_version": version})
+    async def _label(self, worker: str, version: str, expect: int | None) -> int | None:
+        body: dict[str, Any] = {"weight_version": version}
+        if expect is not None:
+            body["expect_weight_changes"] = expect
+        return _count(await self.call(worker, "set_weight_version", body))
+
+    async def _changes(self, worker: str) -> int | None:
+        return _count(await self.call(worker, "get_weight_version"))
+
+    async def _serving(self, worker: str) -> str:
+        answer = await self.call(worker, "get_weight_version")
+        return str(answer.get("serving", answer.get("version")))
 
     async def _health(self, worker: str) -> Health:
         """The bridge's own view (``liveness_probe``): its engine server serving."""
@@ -338,22 +358,34 @@ class EngineRefitClient(_Cycle):
     async def _resume(self, worker: str) -> None:
         await self._engines[worker].resume_generation()
 
-    async def _load(self, worker: str, source: WeightSource) -> None:
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
         engine = self._engines[worker]
         if isinstance(source, CheckpointSource):
-            await engine.update_weights_from_path(
-                pb.UpdateWeightsFromPathRequest(path=source.path, options=pb.WeightUpdateOptions())
+            options = pb.WeightUpdateOptions()
+            if expect is not None:
+                options.expect_weight_changes = expect
+            answer = await engine.update_weights_from_path(
+                pb.UpdateWeightsFromPathRequest(path=source.path, options=options)
             )
-        elif source.tensors is not None:
-            requests = update_requests(source.tensors, chunk_bytes=self._chunk_bytes)
-            await engine.update_weights_from_tensors(requests)
-        else:
-            raise ValueError("weights pushed by a trainer, with no copy of the tensors")
+            return answer.result.weight_changes
+        if source.tensors is not None:
+            requests = update_requests(
+                source.tensors, chunk_bytes=self._chunk_bytes, expect_weight_changes=expect
+            )
+            return (await engine.update_weights_from_tensors(requests)).result.weight_changes
+        raise ValueError("weights pushed by a trainer, with no copy of the tensors")
 
-    async def _label(self, worker: str, version: str) -> None:
-        await self._engines[worker].update_weight_version(
-            pb.UpdateWeightVersionRequest(weight_version=version)
-        )
+    async def _label(self, worker: str, version: str, expect: int | None) -> int | None:
+        request = pb.UpdateWeightVersionRequest(weight_version=version)
+        if expect is not None:
+            request.expect_weight_changes = expect
+        return (await self._engines[worker].update_weight_version(request)).weight_changes
+
+    async def _changes(self, worker: str) -> int | None:
+        return (await self._engines[worker].get_weight_version()).weight_changes
+
+    async def _serving(self, worker: str) -> str:
+        return (await self._engines[worker].get_weight_version()).weight_version
 
     async def _health(self, worker: str) -> Health:
         try:
@@ -461,9 +493,14 @@ class EngineRefitClient(_Cycle):
                 return False
             async with asyncio.timeout(limits.pause_s):
                 await self._pause(worker, mode, clear_cache=True)
-            async with asyncio.timeout(limits.update_s):
-                await self._load(worker, committed.source)
-            async with asyncio.timeout(limits.control_s):
-                await self._label(worker, committed.version)
-                await self._resume(worker)
+            try:
+                async with asyncio.timeout(limits.control_s):
+                    changes = await self._changes(worker)
+                async with asyncio.timeout(limits.update_s):
+                    changes = await self._load(worker, committed.source, changes)
+                async with asyncio.timeout(limits.control_s):
+                    await self._label(worker, committed.version, changes)
+            finally:  # paused here: resumed however the restore ends
+                async with asyncio.timeout(limits.control_s):
+                    await self._resume(worker)
             return True

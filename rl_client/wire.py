@@ -40,6 +40,16 @@ READABLE_WIRE_VERSIONS = frozenset({1, 2, 3})
 # tokens so far, every one of that version.
 WEIGHT_VERSION_CHANGED = "weight_version_changed"
 
+# A version-guarded rollout a worker refused, answered as such (not as an error,
+# whose text no frontend passes on): ``engine_data[REFUSAL_KEY]`` instead of the
+# result, naming the version the rollout requires, the one the worker serves and
+# the fleet's committed one, and whether sending it again may help
+# (``WeightVersionRefusal``).
+REFUSAL_KEY = "weight_version_refused"
+REFUSAL_KEYS = frozenset(
+    {"required", "serving", "committed", "retryable", "message", "request_id", "instance_id"}
+)
+
 # What a non-finite logprob (-inf, +inf, NaN) becomes on the wire.
 LOGPROB_FLOOR = -9999.0
 
@@ -93,6 +103,61 @@ class TokenBundle:
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     finished: bool | None
+
+
+@dataclass(frozen=True)
+class WeightVersionRefusal:
+    """A worker's refusal of a rollout held to a weight version, with what the fleet
+    serves: ``required`` (the rollout's version), ``serving`` (the refusing worker's),
+    ``committed`` (the fleet's committed record's). ``retryable``: a refit is under
+    way on that worker, which may bring ``required``; otherwise the fleet has moved
+    on from it and no worker will serve it again. ``message`` says it in words."""
+
+    required: str
+    serving: str
+    committed: str
+    retryable: bool
+    message: str
+    request_id: str = ""
+    instance_id: str = ""
+
+
+def encode_refusal(refusal: WeightVersionRefusal) -> dict[str, Any]:
+    return {
+        "required": refusal.required,
+        "serving": refusal.serving,
+        "committed": refusal.committed,
+        "retryable": refusal.retryable,
+        "message": refusal.message,
+        "request_id": refusal.request_id,
+        "instance_id": refusal.instance_id,
+    }
+
+
+def decode_refusal(obj: Any) -> WeightVersionRefusal:
+    """Inverse of ``encode_refusal``; WireError when malformed."""
+    if not isinstance(obj, Mapping):
+        raise WireError(f"engine_data.{REFUSAL_KEY} is not an object")
+    unknown = sorted(set(obj) - REFUSAL_KEYS)
+    if unknown:
+        raise WireError(f"engine_data.{REFUSAL_KEY} has unknown keys {unknown}")
+    texts = ("required", "serving", "committed", "message", "request_id", "instance_id")
+    if not all(isinstance(obj.get(k, ""), str) for k in texts):
+        raise WireError(f"engine_data.{REFUSAL_KEY}: {list(texts)} must be strings")
+    missing = [k for k in ("required", "serving", "committed", "retryable") if k not in obj]
+    if missing or not isinstance(obj["retryable"], bool):
+        raise WireError(
+            f"engine_data.{REFUSAL_KEY} lacks {missing} or its 'retryable' is not a boolean"
+        )
+    return WeightVersionRefusal(
+        required=obj["required"],
+        serving=obj["serving"],
+        committed=obj["committed"],
+        retryable=obj["retryable"],
+        message=obj.get("message", ""),
+        request_id=obj.get("request_id", ""),
+        instance_id=obj.get("instance_id", ""),
+    )
 
 
 def read_token_bundle(engine_data: Mapping[str, Any]) -> TokenBundle:

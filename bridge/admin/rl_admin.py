@@ -17,7 +17,13 @@ labels the engine's tokens (each result's ``weight_versions``), not only the
 answer of ``get_weight_version``; a timed-out ``init_weights_update_group``
 (``DYN_RL_INIT_WEIGHTS_TIMEOUT_S``) shuts the transfer engine down and answers an
 error, where dynamo.vllm terminates the worker. Sleep and wake take the worker
-out of the router's pool and back, as dynamo.vllm does.
+out of the router's pool and back, as dynamo.vllm does; it rejoins whenever the
+engine serves again, whoever woke it (``control/wake_up`` on an awake engine
+included).
+``update_weights_from_disk`` and ``set_weight_version`` take the fence
+``expect_weight_changes`` (the engine's count of weight changes the writer read:
+``get_weight_version`` answers it, with the label ``serving`` even when none was
+declared) and answer the new count; a stale writer is refused, nothing changed.
 
 The weight-transfer routes dispatch as dynamo.vllm's do: ``engine_rpc`` names one
 phase, and the body's other keys (less ``allow_unpaused``, ``engine_rpc``,
@@ -50,7 +56,9 @@ import grpc
 
 from bridge.client import EngineClient
 from bridge.codec import clip
+from bridge.engine_watch import EngineWatch
 from bridge.registration import Registration
+from engine_contract import WEIGHT_FENCE_REVISION
 from engine_contract.labels import label_problem
 from engine_contract.refit_rules import (
     PAUSE_MODE_CHOICES,
@@ -83,6 +91,8 @@ INIT_TIMEOUT_DEFAULT_S = 30.0
 _TEARDOWN_S = 10.0
 _MAX_TIMEOUT_MS = 2**32 - 1  # a uint32 on the wire (some 50 days)
 _OUT_OF_ORDER = {refusal.value for refusal in PhaseRefusal}
+# How long control/wake_up waits for the worker to be back in the pool.
+_REJOIN_WAIT_S = 10.0
 
 
 def _init_timeout_s() -> float:
@@ -250,6 +260,20 @@ def _refuse(refusal: UpdateRefusal | None) -> None:
         raise RouteError(refusal.value)
 
 
+def _expected_changes(body: Body) -> int | None:
+    """The fence a writer sends (``expect_weight_changes``: the engine's count of
+    weight changes it read), or None."""
+    value = body.get("expect_weight_changes")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise RouteError(
+            f"'expect_weight_changes' must be a count of weight changes (an integer >= 0), "
+            f"got {clip(value)}"
+        )
+    return value
+
+
 def _bool(body: Body, key: str, default: bool) -> bool:
     value = body.get(key, default)
     if not isinstance(value, bool):
@@ -265,9 +289,12 @@ class RlAdmin:
         client: Callable[[], EngineClient | None],
         registration: Registration,
         engine_request_id: Callable[[str], str] = lambda request_id: request_id,
+        watch: Callable[[], EngineWatch | None] = lambda: None,
     ) -> None:
         self._client = client
         self._registration = registration
+        # The engine's health watch: sleep and wake ask it to recheck (pool membership).
+        self._watch = watch
         # A Dynamo request id -> the engine request id it runs under.
         self._engine_request_id = engine_request_id
 
@@ -305,12 +332,27 @@ class RlAdmin:
             paused = (await self._refit().is_paused()).paused
             _refuse(update_refusal(options, paused=paused))
 
+    def _fenceable(self, expect: int | None) -> int | None:
+        """``expect``, once the engine server is known to honour it (an older one
+        would ignore the fence: refused rather than unfenced)."""
+        if expect is None:
+            return None
+        revision = self._engine().server_revision
+        if revision < WEIGHT_FENCE_REVISION:
+            raise RouteError(
+                f"'expect_weight_changes' needs an engine server of contract revision "
+                f"{WEIGHT_FENCE_REVISION} or later; this one implements {revision}"
+            )
+        return expect
+
     async def _version_state(self) -> Body:
         answer = await self._refit().get_weight_version()
         declared = bool(answer.declared)
         return {
             "version": answer.weight_version if declared else None,
             "version_declared": declared,
+            "serving": answer.weight_version,
+            "weight_changes": answer.weight_changes,
         }
 
     # -- generation ----------------------------------------------------------
@@ -372,6 +414,7 @@ class RlAdmin:
         # A bad label before any RPC; otherwise dynamo.vllm's order: "not paused"
         # before anything else about the body.
         version = _version(body["weight_version"]) if "weight_version" in body else None
+        expect = self._fenceable(_expected_changes(body))
         options = pb.WeightUpdateOptions()
         await self._check_paused(options)
         path = body.get("model_path")
@@ -387,10 +430,12 @@ class RlAdmin:
             )
         if version is not None:
             options.weight_version = version
-        await self._refit().update_weights_from_path(
+        if expect is not None:
+            options.expect_weight_changes = expect
+        answer = await self._refit().update_weights_from_path(
             pb.UpdateWeightsFromPathRequest(path=path, options=options)
         )
-        return _updated(body)
+        return {**_updated(body), "weight_changes": answer.result.weight_changes}
 
     @_route
     async def update_weights_from_distributed(self, body: Body) -> Body:
@@ -526,10 +571,12 @@ class RlAdmin:
             raise RouteError("Missing 'weight_version' in body")
         value = body["weight_version"]
         label = _version(value)
-        await self._refit().update_weight_version(
-            pb.UpdateWeightVersionRequest(weight_version=label)
-        )
-        return {"status": "ok", "version": value}
+        expect = self._fenceable(_expected_changes(body))
+        request = pb.UpdateWeightVersionRequest(weight_version=label)
+        if expect is not None:
+            request.expect_weight_changes = expect
+        answer = await self._refit().update_weight_version(request)
+        return {"status": "ok", "version": value, "weight_changes": answer.weight_changes}
 
     # -- sleep --------------------------------------------------------------------
 
@@ -548,6 +595,11 @@ class RlAdmin:
         except BaseException:
             await self._registration.rejoin("the engine did not go to sleep")
             raise
+        # Back at the engine's next SERVING answer, whoever wakes it: a wake over
+        # gRPC within the watch's window would otherwise leave the worker out.
+        watch = self._watch()
+        if watch is not None:
+            watch.recheck()
         return {"status": "ok", "message": f"Engine slept (level={level})"}
 
     @_route
@@ -559,9 +611,28 @@ class RlAdmin:
             raise RouteError(f"'tags' must be a list of strings, got {clip(tags)}")
         refit = self._refit()
         if not (await refit.is_sleeping()).sleeping:
+            # Woken elsewhere (over gRPC, by another caller): in the pool all the same.
+            await self._back_in_pool("the engine is awake")
             return {"status": "ok", "message": "Engine already awake"}
         answer = await refit.wake_up(pb.WakeUpRequest(tags=tags or []))
         if not answer.awake:
             return {"status": "ok", "message": "Engine partially awake", "is_sleeping": True}
-        await self._registration.rejoin("the engine woke up")
+        await self._back_in_pool("the engine woke up")
         return {"status": "ok", "message": "Engine woke"}
+
+    async def _back_in_pool(self, reason: str) -> None:
+        """The engine is awake: the worker rejoins the pool if it is out, through the
+        watch (which re-reads the server and keeps a refused or catching-up one out),
+        awaited so that the answer finds the worker back."""
+        if self._registration.in_pool:
+            return
+        watch = self._watch()
+        if watch is None:  # nothing watches the engine yet: no other way back
+            await self._registration.rejoin(reason)
+            return
+        mark = watch.recheck()
+        try:
+            async with asyncio.timeout(_REJOIN_WAIT_S):
+                await watch.checked(mark)
+        except TimeoutError:
+            log.warning("%s, but its health did not answer within %g s", reason, _REJOIN_WAIT_S)

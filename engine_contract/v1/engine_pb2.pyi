@@ -141,18 +141,20 @@ class RlCapabilities(_message.Message):
     def __init__(self, pause: _Optional[bool] = ..., update_from_path: _Optional[bool] = ..., update_from_tensors: _Optional[bool] = ..., weight_transfer_backend: _Optional[str] = ..., sleep: _Optional[bool] = ...) -> None: ...
 
 class RefitState(_message.Message):
-    __slots__ = ("paused", "pause_mode", "sleeping", "weight_version", "weight_version_declared")
+    __slots__ = ("paused", "pause_mode", "sleeping", "weight_version", "weight_version_declared", "weight_changes")
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_DECLARED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     paused: bool
     pause_mode: PauseMode
     sleeping: bool
     weight_version: str
     weight_version_declared: bool
-    def __init__(self, paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., sleeping: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weight_version_declared: _Optional[bool] = ...) -> None: ...
+    weight_changes: int
+    def __init__(self, paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., sleeping: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weight_version_declared: _Optional[bool] = ..., weight_changes: _Optional[int] = ...) -> None: ...
 
 class EngineConfig(_message.Message):
     __slots__ = ("context_length", "kv_block_size", "total_kv_blocks", "max_running_sequences", "max_batched_tokens", "data_parallel_size", "data_parallel_start_rank")
@@ -683,30 +685,34 @@ class IsPausedResponse(_message.Message):
     def __init__(self, paused: _Optional[bool] = ...) -> None: ...
 
 class WeightUpdateOptions(_message.Message):
-    __slots__ = ("weight_version", "reset_prefix_cache", "allow_unpaused", "allow_partial")
+    __slots__ = ("weight_version", "reset_prefix_cache", "allow_unpaused", "allow_partial", "expect_weight_changes")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_UNPAUSED_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
     reset_prefix_cache: bool
     allow_unpaused: bool
     allow_partial: bool
-    def __init__(self, weight_version: _Optional[str] = ..., reset_prefix_cache: _Optional[bool] = ..., allow_unpaused: _Optional[bool] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+    expect_weight_changes: int
+    def __init__(self, weight_version: _Optional[str] = ..., reset_prefix_cache: _Optional[bool] = ..., allow_unpaused: _Optional[bool] = ..., allow_partial: _Optional[bool] = ..., expect_weight_changes: _Optional[int] = ...) -> None: ...
 
 class WeightUpdateResult(_message.Message):
-    __slots__ = ("weight_version", "cache_cleared", "tensors", "bytes", "load_ms")
+    __slots__ = ("weight_version", "cache_cleared", "tensors", "bytes", "load_ms", "weight_changes")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_CLEARED_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
     cache_cleared: bool
     tensors: int
     bytes: int
     load_ms: int
-    def __init__(self, weight_version: _Optional[str] = ..., cache_cleared: _Optional[bool] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., load_ms: _Optional[int] = ...) -> None: ...
+    weight_changes: int
+    def __init__(self, weight_version: _Optional[str] = ..., cache_cleared: _Optional[bool] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., load_ms: _Optional[int] = ..., weight_changes: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsFromPathRequest(_message.Message):
     __slots__ = ("path", "options")
@@ -821,24 +827,30 @@ class GetWeightVersionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWeightVersionResponse(_message.Message):
-    __slots__ = ("weight_version", "declared")
+    __slots__ = ("weight_version", "declared", "weight_changes")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
     declared: bool
-    def __init__(self, weight_version: _Optional[str] = ..., declared: _Optional[bool] = ...) -> None: ...
+    weight_changes: int
+    def __init__(self, weight_version: _Optional[str] = ..., declared: _Optional[bool] = ..., weight_changes: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
-    __slots__ = ("weight_version",)
+    __slots__ = ("weight_version", "expect_weight_changes")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
-    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+    expect_weight_changes: int
+    def __init__(self, weight_version: _Optional[str] = ..., expect_weight_changes: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightVersionResponse(_message.Message):
-    __slots__ = ("weight_version",)
+    __slots__ = ("weight_version", "weight_changes")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
-    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+    weight_changes: int
+    def __init__(self, weight_version: _Optional[str] = ..., weight_changes: _Optional[int] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level", "mode")

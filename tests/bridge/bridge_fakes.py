@@ -51,6 +51,10 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     running: set[str] = field(default_factory=set)
     kv_batches: asyncio.Queue[pb.KvEventBatch | None] = field(default_factory=asyncio.Queue)
     kv_requests: list[pb.SubscribeKvEventsRequest] = field(default_factory=list)
+    # The refit state its server info and load answer (weights, label, paused).
+    refit_state: pb.RefitState = field(default_factory=pb.RefitState)
+    # GetLoad calls answered.
+    loads: int = 0
     _released: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def info(self) -> pb.GetServerInfoResponse:
@@ -69,6 +73,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             eos_token_ids=[1],
             vocab_size=1000,
             backend_name="fake",
+            refit_state=self.refit_state,
         )
 
     async def GetServerInfo(self, request: Any, context: Any) -> pb.GetServerInfoResponse:
@@ -192,7 +197,8 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             yield pb.SubscribeKvEventsResponse(batch=batch)
 
     async def GetLoad(self, request: Any, context: Any) -> pb.GetLoadResponse:
-        return pb.GetLoadResponse(running_requests=len(self.running))
+        self.loads += 1
+        return pb.GetLoadResponse(running_requests=len(self.running), refit_state=self.refit_state)
 
 
 class FakeServer:
@@ -277,6 +283,8 @@ async def fake_frontend(handler: Any) -> tuple[web.AppRunner, str]:
 
 class FakeRegistration:
     """The worker's registration, doing nothing when RlAdmin leaves or rejoins it."""
+
+    in_pool = True
 
     async def leave(self, why: str) -> None: ...
 

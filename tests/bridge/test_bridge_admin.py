@@ -425,7 +425,8 @@ class _RecordingStub:
             self._client.requests.append(request)
             if method == "IsPaused":
                 return pb.IsPausedResponse(paused=self._client.paused)
-            return None
+            answer = getattr(pb, f"{method}Response", None)  # each RPC's empty answer
+            return answer() if answer is not None else None
 
         return call
 
@@ -462,14 +463,20 @@ async def test_bad_version_labels_are_refused_before_any_rpc(value: Any, problem
 async def test_good_version_labels_still_pass() -> None:
     client = FakeClient()
     admin = rl_admin(client)
-    assert await admin.set_weight_version({"weight_version": 7}) == {"status": "ok", "version": 7}
+    assert await admin.set_weight_version({"weight_version": 7}) == {
+        "status": "ok",
+        "version": 7,
+        "weight_changes": 0,
+    }
     assert await admin.set_weight_version({"weight_version": "step-8 é"}) == {
         "status": "ok",
         "version": "step-8 é",
+        "weight_changes": 0,
     }
     assert await admin.set_weight_version({"weight_version": 1.5}) == {
         "status": "ok",
         "version": 1.5,
+        "weight_changes": 0,
     }
     labels = [r.weight_version for r in client.requests]
     assert labels == ["7", "step-8 é", "1.5"]

@@ -154,10 +154,13 @@ def engine_load(rs: RefitStack) -> pb.GetLoadResponse:
 def test_every_route_answers_as_dynamo_vllm(refit_stack: RefitStack) -> None:
     rs = refit_stack
     assert ok(rs, "liveness_probe") == {"status": "ok", "alive": True}
+    # dynamo.vllm's keys, then ours: the label serving, the count of weight changes.
     assert ok(rs, "get_weight_version") == {
         "status": "ok",
         "version": None,
         "version_declared": False,
+        "serving": "default",
+        "weight_changes": 0,
     }
     # Bodies: GET and empty bodies are {}; not an object, an error answer; not JSON, 400.
     status, answer = http_json(f"{rs.admin}/engine/get_weight_version")
@@ -179,7 +182,15 @@ def test_every_route_answers_as_dynamo_vllm(refit_stack: RefitStack) -> None:
             "status": "ok",
             "version": "unknown",
             "version_declared": False,
+            "weight_changes": 1,
         }
+        # A writer fenced on a count the engine moved past is refused.
+        assert "a stale writer: it expected weight change 0, but the engine is at 1" in error(
+            rs, "update_weights_from_disk", {**same, "expect_weight_changes": 0}
+        )
+        assert "'expect_weight_changes' must be a count" in error(
+            rs, "set_weight_version", {"weight_version": "x", "expect_weight_changes": -1}
+        )
         assert ok(rs, "get_weight_version")["version_declared"] is False
     finally:
         ok(rs, "resume_generation")
@@ -200,11 +211,17 @@ def test_every_route_answers_as_dynamo_vllm(refit_stack: RefitStack) -> None:
     }
     assert ok(rs, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
     # Versions: any JSON scalar, as dynamo.vllm takes them.
-    assert ok(rs, "set_weight_version", {"weight_version": 1}) == {"status": "ok", "version": 1}
+    assert ok(rs, "set_weight_version", {"weight_version": 1, "expect_weight_changes": 1}) == {
+        "status": "ok",
+        "version": 1,
+        "weight_changes": 2,
+    }
     assert ok(rs, "get_weight_version") == {
         "status": "ok",
         "version": "1",
         "version_declared": True,
+        "serving": "1",
+        "weight_changes": 2,
     }
     # The routes share the port with Dynamo's own: /health, /metrics, unknown routes.
     assert http_json(f"{rs.admin}/health")[0] == 200

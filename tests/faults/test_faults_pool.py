@@ -5,19 +5,28 @@ Two workers, the frontend without migration (``--migration-limit 0``): once the
 bridge noticed its engine server died, every request goes to the survivor and
 succeeds; the restarted engine server gets traffic again once its bridge
 rejoined.
+
+Sleep too: a worker its RL route put to sleep rejoins whenever its engine serves
+again, whoever woke it (over gRPC at once, before the bridge's health watch saw
+the engine down; ``control/wake_up`` on an engine already awake).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import grpc
 import pytest
 
-from harness.http import post_rollout
-from harness.ports import free_port
+from engine_contract.v1 import engine_pb2 as pb
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.http import http_json, post_rollout
+from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
@@ -77,3 +86,66 @@ async def test_a_dead_engine_leaves_the_pool_and_its_restart_rejoins(
             left_pool_after_kill_s=round(left_s, 2),
             rejoined_after_restart_s=round(rejoin_s, 2),
         )
+
+
+# -- sleep ------------------------------------------------------------------------
+
+
+@dataclass
+class SleepWorker:
+    stack: Stack
+    admin: str  # the bridge's RL routes
+    engine: pb_grpc.EngineServiceStub  # the engine server itself, over gRPC
+
+    def route(self, name: str) -> dict[str, object]:
+        status, answer = http_json(f"{self.admin}/engine/{name}", {})
+        assert status == 200 and answer["status"] == "ok", (name, status, answer)
+        return dict(answer)
+
+    def workers(self) -> int:
+        return registered_workers(self.stack.kv_dir, self.stack.namespace)
+
+    def slept_by_route(self) -> None:
+        """Asleep through the bridge's route, and out of the pool for it."""
+        assert self.route("control/sleep")["message"] == "Engine slept (level=1)"
+        wait_until(lambda: self.workers() == 0, 5, "the sleeping worker left the pool", [])
+
+
+@pytest.fixture(scope="module")
+def sleep_worker(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+) -> Iterator[SleepWorker]:
+    """One sim engine server behind one bridge (its RL routes on), file discovery."""
+    root = tmp_path_factory.mktemp("pool-sleep")
+    with ProcessGroup(root / "logs") as group:
+        stack = Stack.new(root, group, model_dir, "tiny-sleep")
+        _, address = stack.start_engine("engine", *SIM_ARGS)
+        port = free_system_port()
+        bridge = stack.start_bridge("bridge", address, DYN_SYSTEM_PORT=str(port))
+        wait_until(lambda: stack.registered_workers() == 1, 60, "registered", [bridge])
+        with grpc.insecure_channel(address) as channel:
+            yield SleepWorker(stack, f"http://127.0.0.1:{port}", pb_grpc.EngineServiceStub(channel))
+
+
+def test_a_worker_slept_by_its_route_rejoins_when_woken_over_grpc(
+    sleep_worker: SleepWorker,
+) -> None:
+    """Woken at the engine server at once: the bridge's watch never saw two failed
+    probes, yet the worker is back as soon as its engine serves."""
+    w = sleep_worker
+    for _ in range(3):
+        w.slept_by_route()
+        assert w.engine.WakeUp(pb.WakeUpRequest(), timeout=10).awake
+        wait_until(lambda: w.workers() == 1, 5, "back in the pool after a wake over gRPC", [])
+
+
+def test_wake_up_route_on_an_awake_engine_puts_the_worker_back(
+    sleep_worker: SleepWorker,
+) -> None:
+    """``control/wake_up`` finds the engine awake (woken over gRPC): it answers
+    once the worker is back in the pool, not merely "already awake"."""
+    w = sleep_worker
+    w.slept_by_route()
+    assert w.engine.WakeUp(pb.WakeUpRequest(), timeout=10).awake
+    assert w.route("control/wake_up")["message"] == "Engine already awake"
+    assert w.workers() == 1

@@ -309,11 +309,14 @@ class Obedient(_Cycle):
     async def _resume(self, worker: str) -> None:
         pass
 
-    async def _load(self, worker: str, source: WeightSource) -> None:
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> None:
         pass
 
-    async def _label(self, worker: str, version: str) -> None:
+    async def _label(self, worker: str, version: str, expect: int | None) -> None:
         pass
+
+    async def _serving(self, worker: str) -> str:
+        return "?"
 
     async def _health(self, worker: str) -> Health:
         return Health.SERVING

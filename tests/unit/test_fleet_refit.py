@@ -34,6 +34,7 @@ from rl_client.committed import (
     CommittedWeights,
     FileCommittedStore,
     PushedSource,
+    Unread,
     WeightSource,
 )
 from rl_client.fleet_cycle import (
@@ -275,11 +276,12 @@ async def test_the_committed_record_moves_only_with_a_committed_refit(
 
 
 class BrokenStore(FileCommittedStore):
-    """Writes, then says it failed (a reply lost after the write)."""
+    """Writes the first record, then says it failed (a reply lost after the write)."""
 
-    def publish(self, record: CommittedRecord) -> None:
-        super().publish(record)
-        raise ConnectionError("etcd: the reply was lost")
+    def swap(self, expected: bytes | Unread | None, new: bytes | None) -> None:
+        super().swap(expected, new)
+        if new is not None and expected is None:
+            raise ConnectionError("etcd: the reply was lost")
 
 
 async def test_a_record_that_cannot_be_written_fails_the_refit(
@@ -328,12 +330,15 @@ class Scripted(_Cycle):
     async def _resume(self, worker: str) -> None:
         await self._step(worker, "resume")
 
-    async def _load(self, worker: str, source: WeightSource) -> None:
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> None:
         assert isinstance(source, CheckpointSource)
         await self._step(worker, "rollback" if source.path == "/old" else "update")
 
-    async def _label(self, worker: str, version: str) -> None:
+    async def _label(self, worker: str, version: str, expect: int | None) -> None:
         await self._step(worker, "label")
+
+    async def _serving(self, worker: str) -> str:
+        return "?"
 
     async def _health(self, worker: str) -> Health:
         await self._step(worker, "health")

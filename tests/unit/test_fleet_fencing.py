@@ -1,0 +1,465 @@
+"""One writer per fleet, fenced at the engine, every pause undone (issue 37).
+
+Four sim engine servers in this process (real gRPC), driven by
+``EngineRefitClient``s sharing one file store: the engine's count of weight
+changes refuses a stale writer (a second trainer, a catching-up bridge), the
+fleet's lease refuses a second trainer at once, the record is a
+compare-and-set, a cancelled refit resumes what it paused, and a worker that
+serves the committed version is never taken out of the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bridge.catch_up import CatchUp
+from engine_contract.tensors import update_requests
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server.backends.refit import PauseMode
+from engine_server.config import ServerConfig
+from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
+from harness.engine import InProcessServer, greedy_rollout, tokens_and_logprobs
+from rl_client.committed import (
+    CheckpointSource,
+    CommittedRecord,
+    CommittedWeights,
+    FileCommittedStore,
+    RecordChanged,
+    WeightSource,
+)
+from rl_client.fleet_cycle import Deadlines, Health, Outcome, RefitError, _Cycle, _Previous
+from rl_client.fleet_lease import FileFleetLease, Holder, LeaseHeld, LeaseLost
+from rl_client.refit import EngineRefitClient
+from rl_client.refit_rpc import RefitRpc
+from tests.unit.test_fleet_refit import PROMPT, Faulty, Fleet, real
+
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Stoppable(Faulty):
+    """A sim whose pause can hang, as a SIGSTOPped engine's does."""
+
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__(model_dir)
+        self.stopped = False
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        while self.stopped:  # noqa: ASYNC110 - a flag the test thread flips, no event
+            await asyncio.sleep(0.05)
+        await super().pause(mode, clear_cache)
+
+
+@pytest.fixture
+def fleet(model_dir: Path) -> Iterator[Fleet]:
+    backends = [Stoppable(model_dir) for _ in range(4)]
+    servers = [InProcessServer(b, ServerConfig(listen="127.0.0.1:0")).start() for b in backends]
+    channels = [grpc.insecure_channel(s.address) for s in servers]
+    try:
+        yield Fleet(servers, list(backends), channels)
+    finally:
+        for backend in backends:
+            backend.stopped = False
+        for channel in channels:
+            channel.close()
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileCommittedStore:
+    store = FileCommittedStore(tmp_path / "kv", "ns")
+    store.publish(
+        CommittedRecord(CommittedWeights("0", CheckpointSource(str(tiny_weights_dir(0)))))
+    )
+    return store
+
+
+def changes(fleet: Fleet, i: int) -> int:
+    return fleet.stub(i).GetLoad(pb.GetLoadRequest(), timeout=10).refit_state.weight_changes
+
+
+# -- the engine's fence ---------------------------------------------------------------
+
+
+def test_the_engine_counts_weight_changes_and_refuses_a_stale_writer(fleet: Fleet) -> None:
+    stub = fleet.stub(0)
+    before = fleet.outputs()[0]
+    assert changes(fleet, 0) == 0
+    assert stub.GetWeightVersion(pb.GetWeightVersionRequest()).weight_changes == 0
+    stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT))
+    path = str(tiny_weights_dir(1))
+    loaded = stub.UpdateWeightsFromPath(
+        pb.UpdateWeightsFromPathRequest(
+            path=path, options=pb.WeightUpdateOptions(expect_weight_changes=0)
+        )
+    )
+    assert loaded.result.weight_changes == 1
+    # A writer that read 0 is now stale: its label, load and stream are refused.
+    with pytest.raises(grpc.RpcError) as stale:
+        stub.UpdateWeightVersion(
+            pb.UpdateWeightVersionRequest(weight_version="x", expect_weight_changes=0)
+        )
+    assert stale.value.code() == FAILED_PRECONDITION
+    assert "expected weight change 0, but the engine is at 1 (serving 'default')" in str(
+        stale.value.details()
+    )
+    with pytest.raises(grpc.RpcError) as stale:
+        stub.UpdateWeightsFromPath(
+            pb.UpdateWeightsFromPathRequest(
+                path=str(tiny_weights_dir(2)),
+                options=pb.WeightUpdateOptions(expect_weight_changes=0),
+            )
+        )
+    assert stale.value.code() == FAILED_PRECONDITION
+    requests = update_requests(checkpoint_tensors(tiny_weights_dir(2)), expect_weight_changes=0)
+    with pytest.raises(grpc.RpcError) as stale:
+        stub.UpdateWeightsFromTensors(iter(list(requests)))
+    assert stale.value.code() == FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as stale:
+        stub.StartWeightUpdate(
+            pb.StartWeightUpdateRequest(options=pb.WeightUpdateOptions(expect_weight_changes=0))
+        )
+    assert stale.value.code() == FAILED_PRECONDITION
+    # Nothing changed: still checkpoint 1, unlabelled, at one change.
+    assert changes(fleet, 0) == 1
+    assert (
+        stub.UpdateWeightVersion(
+            pb.UpdateWeightVersionRequest(weight_version="1", expect_weight_changes=1)
+        ).weight_changes
+        == 2
+    )
+    stub.ResumeGeneration(pb.ResumeGenerationRequest())
+    assert fleet.versions()[0] == ("1", True)
+    assert fleet.outputs()[0] != before
+    # No fence: as before revision 10.
+    stub.UpdateWeightVersion(pb.UpdateWeightVersionRequest(weight_version="2"))
+    assert changes(fleet, 0) == 3
+
+
+@pytest.mark.parametrize("first", ["trainer", "catch-up"])
+async def test_a_catch_up_load_and_a_trainers_refit_never_interleave(
+    fleet: Fleet, store: FileCommittedStore, first: str
+) -> None:
+    """The race docs/refit.md once called "A limit": a bridge catching up and a
+    trainer refitting reach one engine at once. Whichever loads first, the other
+    is refused, so the engine never serves one writer's weights under the
+    other's label."""
+    rpc = RefitRpc.connect(fleet.addresses[0])
+    try:
+        state = (await rpc.server_info()).refit_state  # what the catch-up decided on
+        old = str(tiny_weights_dir(0))
+        new = str(tiny_weights_dir(1))
+        await rpc.pause_generation(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT))
+        trainer_read = (await rpc.get_weight_version()).weight_changes
+        catch_up = CatchUp(store, rpc)
+        if first == "trainer":
+            loaded = await rpc.update_weights_from_path(
+                pb.UpdateWeightsFromPathRequest(
+                    path=new, options=pb.WeightUpdateOptions(expect_weight_changes=trainer_read)
+                )
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await catch_up._load(state, old, "0")
+            await rpc.update_weight_version(
+                pb.UpdateWeightVersionRequest(
+                    weight_version="1", expect_weight_changes=loaded.result.weight_changes
+                )
+            )
+            expected = ("1", True)
+        else:
+            await catch_up._load(state, old, "0")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await rpc.update_weights_from_path(
+                    pb.UpdateWeightsFromPathRequest(
+                        path=new,
+                        options=pb.WeightUpdateOptions(expect_weight_changes=trainer_read),
+                    )
+                )
+            expected = ("0", True)
+        assert refused.value.code() == FAILED_PRECONDITION
+        assert "stale writer" in str(refused.value.details())
+        await rpc.resume_generation()
+    finally:
+        await rpc.close()
+    assert fleet.versions()[0] == expected
+
+
+# -- the fleet's lease ----------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path: Path) -> None:
+    lease = FileFleetLease(tmp_path / "rec.lease")
+    token = lease.acquire("trainer A", 30)
+    started = time.monotonic()
+    with pytest.raises(
+        LeaseHeld, match=r"held by trainer A \(its lease runs out in (29\.\d|30\.0) s"
+    ):
+        lease.acquire("trainer B", 30)
+    assert time.monotonic() - started < 0.5
+    with pytest.raises(LeaseLost):
+        lease.renew("not-a-token", 30)
+    lease.renew(token, 30)
+    lease.release("not-a-token")  # not its lease: nothing
+    with pytest.raises(LeaseHeld):
+        lease.acquire("trainer B", 30)
+    lease.release(token)
+    lease.release(lease.acquire("trainer B", 30))
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize("left", ["expired", "unreadable"])
+def test_a_lease_whose_holder_died_is_taken_over(tmp_path: Path, left: str) -> None:
+    path = tmp_path / "rec.lease"
+    if left == "expired":
+        path.write_bytes(Holder("dead trainer", "t", time.time() - 1).to_json())
+    else:
+        path.write_bytes(b"\x00garbage")
+    lease = FileFleetLease(path)
+    token = lease.acquire("trainer B", 30)
+    holder = Holder.from_json(path.read_bytes())
+    assert holder is not None and holder.owner == "trainer B" and holder.token == token
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.lease"]
+
+
+def test_of_many_writers_at_once_exactly_one_holds_the_lease(tmp_path: Path) -> None:
+    path = tmp_path / "rec.lease"
+    for expired in (False, True):
+        if expired:
+            path.write_bytes(Holder("dead trainer", "t", time.time() - 1).to_json())
+        winners: list[str] = []
+        start = threading.Barrier(8)
+
+        def take(i: int, start: threading.Barrier = start, winners: list[str] = winners) -> None:
+            start.wait()
+            try:
+                FileFleetLease(path).acquire(f"w{i}", 30)
+                winners.append(f"w{i}")
+            except LeaseHeld:
+                pass
+
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(winners) == 1
+        holder = Holder.from_json(path.read_bytes())
+        assert holder is not None and holder.owner == winners[0]
+        path.unlink()
+
+
+# -- the record is a compare-and-set ----------------------------------------------------
+
+
+def test_a_record_changed_since_it_was_read_is_not_overwritten(
+    store: FileCommittedStore,
+) -> None:
+    read = store.read_raw()
+    other = CommittedRecord(CommittedWeights("other", CheckpointSource("/other")))
+    store.publish(other)
+    with pytest.raises(RecordChanged, match="another writer published meanwhile"):
+        store.swap(
+            read, CommittedRecord(CommittedWeights("mine", CheckpointSource("/m"))).to_json()
+        )
+    assert store.read() == other
+    with pytest.raises(RecordChanged):
+        store.swap(None, b"{}")  # expected none, there is one
+    store.swap(other.to_json(), None)
+    assert store.read() is None
+
+
+class Overtaken(FileCommittedStore):
+    """A store another writer (one that took no lease) publishes to just before
+    this refit's write."""
+
+    def swap(self, expected: object, new: bytes | None) -> None:
+        if new is not None and b'"1"' in new:
+            self.publish(CommittedRecord(CommittedWeights("other", CheckpointSource("/o"))))
+        super().swap(expected, new)  # type: ignore[arg-type]
+
+
+async def test_a_refit_never_writes_over_a_record_another_writer_published(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    store = Overtaken(tmp_path / "kv", "ns")
+    store.publish(
+        CommittedRecord(CommittedWeights("0", CheckpointSource(str(tiny_weights_dir(0)))))
+    )
+    async with EngineRefitClient(fleet.addresses, store=store) as trainer:
+        with pytest.raises(RefitError) as failed:
+            await trainer.refit("1", path=str(tiny_weights_dir(1)))
+    assert "another writer published meanwhile" in str(failed.value.report.publish_error)
+    record = store.read()
+    assert record is not None and record.weights.version == "other"
+
+
+# -- two trainers, one fleet -----------------------------------------------------------
+
+
+async def test_two_trainers_refitting_one_fleet_at_once_never_break_it(
+    fleet: Fleet, store: FileCommittedStore
+) -> None:
+    """Issue 37's defect 1: two clients with one store, 0-10 ms apart, 30 times.
+    After each: one committed (the other refused at once, naming the holder, or
+    it ran after), the store holds the version a client last reported
+    committed, every worker serves it, resumed and in the pool."""
+    rng = random.Random(37)
+    outputs = {}
+    for i in range(30):
+        ckpt = {"A": tiny_weights_dir(1 + i % 2), "B": tiny_weights_dir(3)}
+        committed: list[tuple[float, str]] = []
+        refused: list[str] = []
+
+        async def refit(
+            who: str,
+            delay: float,
+            i: int = i,
+            ckpt: dict[str, Path] = ckpt,
+            committed: list[tuple[float, str]] = committed,
+            refused: list[str] = refused,
+        ) -> None:
+            await asyncio.sleep(delay)
+            async with EngineRefitClient(fleet.addresses, store=store) as trainer:
+                try:
+                    await trainer.refit(f"{who}{i}", path=str(ckpt[who]))
+                    committed.append((time.monotonic(), f"{who}{i}"))
+                except LeaseHeld as e:
+                    refused.append(str(e))
+
+        await asyncio.gather(refit("A", rng.uniform(0, 0.01)), refit("B", rng.uniform(0, 0.01)))
+        assert committed, refused
+        assert all("another trainer is refitting this fleet" in r for r in refused)
+        last = max(committed)[1]
+        record = store.read()
+        assert record is not None and record.weights.version == last, (i, committed, refused)
+        states = fleet.states()
+        assert [(s.weight_version, s.paused, s.sleeping) for s in states] == [
+            (last, False, False)
+        ] * 4, i
+        assert {str(o) for o in fleet.outputs()} == {
+            outputs.setdefault(str(ckpt[last[0]]), str(fleet.outputs()[0]))
+        }
+
+
+# -- every pause undone ---------------------------------------------------------------
+
+
+async def test_a_cancelled_refit_resumes_every_worker_it_paused(
+    fleet: Fleet, store: FileCommittedStore
+) -> None:
+    """Issue 37's defect 2: one engine hangs in its pause (as a SIGSTOPped one
+    does), and the trainer gives up on the refit: the others resume at once
+    rather than stay paused, the lease is free, and the report says why."""
+    before = fleet.outputs()
+    assert isinstance(fleet.backends[3], Stoppable)
+    fleet.backends[3].stopped = True
+    deadlines = Deadlines(control_s=1.0)
+    async with EngineRefitClient(fleet.addresses, store=store, deadlines=deadlines) as trainer:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(trainer.refit("1", path=str(tiny_weights_dir(1))), 1.0)
+        report = trainer.last_report
+        assert report is not None and report.interrupted == "cancelled"
+        assert [w.resumed for w in report.workers] == [True, True, True, False]
+    # The fourth stays hung in its pause, as a stopped process would.
+    states = [fleet.stub(i).GetLoad(pb.GetLoadRequest(), timeout=10).refit_state for i in range(3)]
+    assert [(s.paused, s.weight_version) for s in states] == [(False, "default")] * 3
+    again = [
+        tokens_and_logprobs(greedy_rollout(fleet.stub(i), PROMPT, 12, timeout=30)) for i in range(3)
+    ]
+    assert again == before[:3]
+    FileFleetLease(store.path.with_name(f"{store.path.name}.lease")).acquire("next", 1)
+
+
+async def test_a_refit_cancelled_while_loading_rolls_the_loaded_workers_back(
+    fleet: Fleet, store: FileCommittedStore
+) -> None:
+    before = fleet.outputs()
+    new = tiny_weights_dir(1)
+    fleet.backends[3].slow[real(new)] = 1.5
+    async with EngineRefitClient(fleet.addresses, store=store) as trainer:
+        task = asyncio.ensure_future(trainer.refit("1", path=str(new)))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        report = trainer.last_report
+        assert report is not None and report.interrupted == "cancelled"
+        assert report.outcomes() == {a: Outcome.ROLLED_BACK for a in fleet.addresses}
+    assert [(s.paused, s.weight_version) for s in fleet.states()] == [(False, "0")] * 4
+    assert fleet.outputs() == before
+    record = store.read()
+    assert record is not None and record.weights.version == "0"
+
+
+def test_pauses_get_a_default_deadline() -> None:
+    assert Deadlines().pause_s == 120.0 and Deadlines().rollback_s == 1800.0
+
+
+# -- never out of the pool on the committed version ------------------------------------
+
+
+class OnCommitted(_Cycle):
+    """Two workers whose rollback fails; w0 serves the store's committed version
+    (another writer put it there)."""
+
+    def __init__(self, store: FileCommittedStore) -> None:
+        super().__init__(
+            CommittedWeights("0", CheckpointSource("/old")), store, Deadlines(control_s=1)
+        )
+        self.slept: list[str] = []
+
+    def _fleet(self) -> list[str]:
+        return ["w0", "w1"]
+
+    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
+        pass
+
+    async def _resume(self, worker: str) -> None:
+        pass
+
+    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
+        assert isinstance(source, CheckpointSource)
+        if worker == "w0" and source.path == "/new":
+            raise RuntimeError("refused")
+        if source.path == "/old":
+            raise RuntimeError("a stale writer")
+        return None
+
+    async def _label(self, worker: str, version: str, expect: int | None) -> int | None:
+        return None
+
+    async def _serving(self, worker: str) -> str:
+        return "theirs" if worker == "w0" else "new"
+
+    async def _health(self, worker: str) -> Health:
+        return Health.SERVING
+
+    async def _sleep(self, worker: str) -> None:
+        self.slept.append(worker)
+
+    def _loads(self, source: WeightSource) -> bool:
+        return True
+
+    async def _start_state(self) -> dict[str, _Previous]:
+        raise AssertionError("committed= was given")
+
+
+async def test_a_worker_serving_the_committed_version_is_never_taken_out(
+    store: FileCommittedStore,
+) -> None:
+    store.publish(CommittedRecord(CommittedWeights("theirs", CheckpointSource("/theirs"))))
+    cycle = OnCommitted(store)
+    with pytest.raises(RefitError) as failed:
+        await cycle._run("new", CheckpointSource("/new"), "wait", True)
+    assert failed.value.report.outcomes() == {"w0": Outcome.ON_COMMITTED, "w1": Outcome.REMOVED}
+    assert cycle.slept == ["w1"]
+    assert "left in the pool: it serves the committed version 'theirs'" in str(
+        failed.value.report.workers[0].rollback_error
+    )
