@@ -29,7 +29,16 @@ LOW_STAMP := $(LOW_VENV)/.installed-$(ENGINE_EXTRA)-$(shell sha1sum pyproject.to
 LOW_SUITES := tests/bridge tests/vllm_engine/test_vllm_gloo_transfer.py \
   tests/e2e/test_e2e_worker_command.py tests/e2e/test_e2e_weight_refusal.py tests/cluster/test_cluster_nemo_rl_replay.py
 
-.PHONY: all install install-low cluster-deps proto proto-check proto-lint lint test test-low test-fast test-cluster conformance run bench soak train-demo clean
+# SkyRL's released client (`skyrl` on PyPI), run unchanged by tests/e2e/test_e2e_skyrl.py.
+# Its metadata asks for Python >= 3.12; the modules its client runs are 3.11 code
+# (docs/testing.md, "SkyRL's released client"): the wheel goes into a folder of its own
+# with no dependency resolution, plus the two packages its client imports that the
+# main environment lacks. Tests only: nothing in the project imports it.
+SKYRL_DIR := .skyrl
+SKYRL_PINS := skyrl==0.4.0 orjson==3.13.0 cloudpathlib==0.26.0
+SKYRL_STAMP := $(SKYRL_DIR)/.installed-$(shell echo '$(SKYRL_PINS)' | sha1sum | cut -c1-12)
+
+.PHONY: all install install-low cluster-deps skyrl-deps proto proto-check proto-lint lint test test-low test-fast test-cluster conformance run bench soak train-demo clean
 
 all: test
 
@@ -82,6 +91,19 @@ cluster-deps:
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing; \
 	fi
 
+skyrl-deps: $(SKYRL_STAMP)
+
+# --ignore-requires-python: the metadata's floor, not the code's (the test module
+# compiles every file of the package on the Python it runs on). --no-deps: its dependency
+# list is the trainer's (datasets, peft, transformers<=5.16.1 below ours...), none of
+# which the client's modules import. --target: off the main environment's site-packages, so
+# nothing but that test can import it (harness/skyrl.py puts it on sys.path). Rebuilt
+# with the environment: orjson is a compiled wheel for its Python.
+$(SKYRL_STAMP): $(STAMP)
+	rm -rf $(SKYRL_DIR)
+	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(SKYRL_DIR) $(SKYRL_PINS)
+	touch $@
+
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @bufbuild/buf@$(BUF_VERSION)
 
@@ -115,7 +137,7 @@ lint: $(STAMP)
 # each other) on two workers, a file per worker (pytest-xdist: measured faster
 # there, see docs/testing.md); the rest in order, as their timing bounds were
 # measured; then the version-specific suites at the low end of the range.
-test: $(STAMP) $(LOW_STAMP) cluster-deps proto-check proto-lint lint
+test: $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
 	@rc=0; \
 	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e || rc=1; \
 	$(PY) -m pytest -q --ignore=tests/e2e || rc=1; \
@@ -158,4 +180,4 @@ bench: $(STAMP)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) $(LOW_VENV) $(TOOLS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LOW_VENV) $(TOOLS) $(SKYRL_DIR) .pytest_cache .ruff_cache

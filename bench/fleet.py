@@ -33,7 +33,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,17 +274,22 @@ def overlap(intervals: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return stage, busy / stage if stage > 0 else float("nan")
 
 
+async def _timed(intervals: list[tuple[float, float]], call: Awaitable[int | None]) -> int | None:
+    """``call``'s result, noting in ``intervals`` when it ran (also when it failed)."""
+    started = time.monotonic()
+    try:
+        return await call
+    finally:
+        intervals.append((started, time.monotonic()))
+
+
 class _TimedRoutes(RefitClient):
     """``RefitClient`` noting when each worker's update call ran."""
 
     intervals: list[tuple[float, float]]
 
     async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
-        started = time.monotonic()
-        try:
-            return await super()._load(worker, source, expect)
-        finally:
-            self.intervals.append((started, time.monotonic()))
+        return await _timed(self.intervals, super()._load(worker, source, expect))
 
 
 class _TimedContract(EngineRefitClient):
@@ -293,11 +298,7 @@ class _TimedContract(EngineRefitClient):
     intervals: list[tuple[float, float]]
 
     async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
-        started = time.monotonic()
-        try:
-            return await super()._load(worker, source, expect)
-        finally:
-            self.intervals.append((started, time.monotonic()))
+        return await _timed(self.intervals, super()._load(worker, source, expect))
 
 
 def _cpu_s(procs: Sequence[Proc]) -> float:

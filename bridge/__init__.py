@@ -1,6 +1,6 @@
 """The Dynamo bridge: a Dynamo ``LLMEngine`` that forwards to one engine server.
 
-Kept import-free: the compatibility modules ``rl_client.driver``, ``rl_client.batch``
-and ``rl_client.refit`` (now ``rl_client``) must load without Dynamo, and nothing
-here may pull in vllm or torch.
+Kept import-free, so that importing one module (``bridge.client``, ``bridge.codec``)
+loads only what that module needs; nothing here may pull in vllm or torch (the
+bridge runs where they cannot be imported).
 """

@@ -23,7 +23,7 @@ from dynamo.common.backend.worker import WorkerConfig
 
 from bridge.dynamo_compat import run_worker
 from bridge.engine import BridgeEngine
-from bridge.parent import watch_parent
+from launch.parent_death import watch_parent
 
 log = logging.getLogger("bridge")
 # Signals that asked this process to end (seen ahead of the Rust worker's own
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     # spare the collector rescanning it on every full collection.
     gc.collect()
     gc.freeze()
-    watch_parent()  # started by a host (engine_server.host): end with it
+    watch_parent()  # started by a supervisor that names itself: end with it
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _remember)
     engines: list[BridgeEngine] = []

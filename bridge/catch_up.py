@@ -131,7 +131,7 @@ def decide(record: CommittedRecord | None, state: pb.RefitState) -> Decision:
     )
 
 
-class Outcome(enum.Enum):
+class CatchUpOutcome(enum.Enum):
     """How a catch-up ended."""
 
     NO_RECORD = "no record"
@@ -142,7 +142,7 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class Result:
-    outcome: Outcome
+    outcome: CatchUpOutcome
     # The committed version and where its weights come from ("checkpoint",
     # "pushed"); None without a record.
     version: str | None
@@ -247,7 +247,7 @@ class CatchUp:
                 continue
             decision = decide(record, info.refit_state)
             if decision.action is Action.REGISTER:
-                return Result(Outcome.NO_RECORD, None, None, time.monotonic() - started)
+                return Result(CatchUpOutcome.NO_RECORD, None, None, time.monotonic() - started)
             assert decision.committed is not None
             version = decision.committed.version
             kind = CHECKPOINT if isinstance(decision.committed.source, CheckpointSource) else PUSHED
@@ -264,7 +264,11 @@ class CatchUp:
                         await asyncio.sleep(retry.next())
                         continue
                 outcome = (
-                    Outcome.LOADED if loaded else Outcome.PUSHED if waited else Outcome.CURRENT
+                    CatchUpOutcome.LOADED
+                    if loaded
+                    else CatchUpOutcome.PUSHED
+                    if waited
+                    else CatchUpOutcome.CURRENT
                 )
                 return Result(outcome, version, kind, time.monotonic() - started)
             if decision.action is Action.WAIT:

@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import engine_contract
 from bridge.generate_mux import GenerateMux, PendingGenerate
 from bridge.rollout_mux import PendingRollout, RolloutMux, StreamLimits
-from engine_contract.flags import flag
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from launch.config_flags import flag
 from rl_client.refit_rpc import RefitRpc
 from rl_client.tls import TlsOptions, aio_channel, diagnose
 
@@ -57,7 +57,6 @@ class ClientOptions:
     # with its environment variable (BRIDGE_ and the flag: BRIDGE_ABORT_TIMEOUT_S).
     max_message_bytes: int = field(
         default=64 * MIB,
-        # bridge.config also takes the old --max-message-mib (MiB).
         metadata=flag("Largest gRPC message sent or received, bytes."),
     )
     # Pings find a dead peer during a long unary Rollout that sends nothing; the
@@ -77,18 +76,25 @@ class ClientOptions:
     # (past it the scrape goes without the engine's series).
     metrics_timeout_s: float = 1.0
     control_timeout_s: float = field(
-        default=10.0,
-        metadata=flag("Deadline of control RPCs, seconds.", old=("--control-timeout",)),
+        default=10.0, metadata=flag("Deadline of control RPCs, seconds.")
     )
-    abort_timeout_s: float = field(
-        default=5.0, metadata=flag("Deadline of Abort RPCs, seconds.", old=("--abort-timeout",))
-    )
+    abort_timeout_s: float = field(default=5.0, metadata=flag("Deadline of Abort RPCs, seconds."))
     # TLS to the engine server (None: plaintext, for loopback and unix sockets).
     tls: TlsOptions | None = None
-    # Pace streamed completions (servers of contract revision 6 on): the engine
-    # server sends a completion's next delta once the bridge has handed the last
-    # to Dynamo, so each carries what came meanwhile. False: every delta as it comes.
-    paced_generates: bool = True
+    # Pace streamed completions: the engine server sends a completion's next delta
+    # once the bridge has handed the last to Dynamo, so each carries what came
+    # meanwhile. False: every delta as it comes.
+    paced_generates: bool = field(
+        default=True,
+        metadata=flag(
+            "On a Generates stream, 'on' has the engine server send a completion's "
+            "next delta once the bridge has handed the last to Dynamo, so each delta "
+            "carries the tokens made meanwhile (fewer, larger deltas: less CPU per "
+            "token in every process on the way); 'off' sends every delta as it comes.",
+            name="--generate-pacing",
+            choices={"on": True, "off": False},
+        ),
+    )
 
     def channel_options(self) -> list[tuple[str, int | str]]:
         tls = self.tls.channel_options() if self.tls else []
@@ -148,18 +154,15 @@ class EngineClient:
 
     @property
     def paced_generates(self) -> bool:
-        """Whether completions started from now on are paced (revision 6)."""
+        """Whether completions started from now on are paced."""
         return self._generates.paced
 
     def use_server_limits(self, info: pb.GetServerInfoResponse) -> None:
         """Keep the rollouts and completions streams within the server's announced
-        limits: message size, starts per message, requests on a stream (revision 3);
-        pace completions when the server can (revision 6, ``paced_generates``)."""
+        limits: message size, starts per message, requests on a stream; pace
+        completions unless the options say not to (``paced_generates``)."""
         self.server_revision = info.contract_revision
-        self._generates.paced = (
-            self.options.paced_generates
-            and info.contract_revision >= engine_contract.PACED_GENERATES_REVISION
-        )
+        self._generates.paced = self.options.paced_generates
         limits = info.limits
         for mux in (self._rollouts, self._generates):
             if limits.max_message_bytes > 0:
@@ -275,6 +278,13 @@ class EngineClient:
         return await self._stub.Abort(
             pb.AbortRequest(request_id=request_id, instance_id=instance_id),
             timeout=self.options.abort_timeout_s,
+        )
+
+    async def abort_all(self) -> pb.AbortResponse:
+        """Every request the engine server runs, aborted (vLLM's ``/abort_requests``
+        without ids: the RL routes, ``bridge.admin.rl_admin``)."""
+        return await self._stub.Abort(
+            pb.AbortRequest(all=True), timeout=self.options.abort_timeout_s
         )
 
     def subscribe_kv_events(self, request: pb.SubscribeKvEventsRequest) -> grpc.aio.UnaryStreamCall:

@@ -2,9 +2,11 @@
 
 Request kinds are chosen by annotation (``nvext.annotations`` reach the engine
 verbatim). An annotation ``<kind>:<JSON object>`` names a bridge request kind;
-the known kind is ``rollout``. Annotations Dynamo itself uses
+the known kind is ``rollout`` (its JSON: ``rl_client.annotation``, the driver's
+and the bridge's one shape). Annotations Dynamo itself uses
 (``request_id:...``, ``query_instance_id:``, ...) never carry a JSON object and
 pass untouched. A request without a kind annotation is an ordinary completion.
+A rollout's result travels as ``bridge.rollout_wire`` writes it.
 
 Errors the client caused raise ``RequestError`` (a ValueError); the engine glue
 turns it into Dynamo's ``InvalidArgument`` (HTTP 400 with the message).
@@ -12,21 +14,19 @@ turns it into Dynamo's ``InvalidArgument`` (HTTP 400 with the message).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Required, TypedDict
 
-from engine_contract.labels import label_problem
+from bridge.rollout_wire import ProtocolError, rollout_wire, routed_experts_wire, stop_reason
+from engine_contract.text import clip, text_problem
 from engine_contract.v1 import engine_pb2 as pb
-from rl_client import wire
+from rl_client import annotation, wire
+from rl_client.annotation import AnnotationError, RolloutSpec, parse_rollout_spec
 
-ROLLOUT_KIND = "rollout"
 # The ``nvext.extra_fields`` entry that asks for a chunk's engine_data.
 ENGINE_DATA_FIELD = "engine_data"
-KNOWN_KINDS = (ROLLOUT_KIND,)
-_ROLLOUT_KEYS = frozenset({"greedy", "stop_strings", "request_id", "text", "weight_version"})
+KNOWN_KINDS = (annotation.KIND,)
 
 # Dynamo's finish reasons ("cancelled" is what Dynamo calls an abort).
 _FINISH_REASONS: dict[int, str] = {
@@ -36,22 +36,6 @@ _FINISH_REASONS: dict[int, str] = {
     pb.FINISH_REASON_ERROR: "error",
     # Ended early by the engine server, as an abort is (Dynamo has no other word).
     pb.FINISH_REASON_WEIGHT_VERSION_CHANGED: "cancelled",
-}
-# The engine's own names, as the rollout wire form carries them.
-_WIRE_FINISH_REASONS: dict[int, str] = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORTED: "aborted",
-    pb.FINISH_REASON_ERROR: "error",
-    pb.FINISH_REASON_WEIGHT_VERSION_CHANGED: wire.WEIGHT_VERSION_CHANGED,
-}
-_DTYPES: dict[int, str] = {
-    pb.TENSOR_DTYPE_UINT8: "uint8",
-    pb.TENSOR_DTYPE_INT8: "int8",
-    pb.TENSOR_DTYPE_UINT16: "uint16",
-    pb.TENSOR_DTYPE_INT16: "int16",
-    pb.TENSOR_DTYPE_INT32: "int32",
-    pb.TENSOR_DTYPE_INT64: "int64",
 }
 
 
@@ -79,28 +63,6 @@ class RequestError(ValueError):
     """The request is malformed or asks for something the engine contract cannot do."""
 
 
-class ProtocolError(RuntimeError):
-    """The engine server broke the contract (misaligned lists, unknown dtype)."""
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    """The JSON after ``rollout:``; every key optional, no others allowed."""
-
-    greedy: bool = False
-    stop_strings: tuple[str, ...] = ()
-    request_id: str | None = None
-    # Also answer the completion's text in ``choices[0].text`` (decoded by the
-    # bridge, special tokens skipped): for OpenAI clients and tools like aiperf,
-    # which count an answer without text as failed. Off by default: RL drivers
-    # read the tokens, and decoding costs the bridge CPU.
-    text: bool = False
-    # The weight version every token must come from (contract revision 8's
-    # required_weight_version): refused by an engine serving another, ended with
-    # finish reason "weight_version_changed" when the weights change under it.
-    weight_version: str | None = None
-
-
 # ---------------------------------------------------------------------------
 # Request kinds
 
@@ -108,94 +70,32 @@ class RolloutSpec:
 def parse_request_kind(annotations: Sequence[Any] | None) -> RolloutSpec | None:
     """The rollout spec when the request is a rollout, None for an ordinary completion."""
     found: RolloutSpec | None = None
-    for annotation in annotations or ():
-        if not isinstance(annotation, str):
+    for entry in annotations or ():
+        if not isinstance(entry, str):
             continue
-        kind, sep, value = annotation.partition(":")
-        if kind == ROLLOUT_KIND:
+        kind, sep, value = entry.partition(":")
+        if kind == annotation.KIND:
             if found is not None:
                 raise RequestError("more than one 'rollout:' annotation")
             if not sep:
                 raise RequestError("the 'rollout' annotation needs a JSON spec: rollout:{...}")
-            found = parse_rollout_spec(value)
+            try:
+                found = parse_rollout_spec(value)
+            except AnnotationError as e:
+                raise RequestError(str(e)) from e
         elif sep and value.lstrip().startswith("{"):
             raise RequestError(
-                f"unknown request kind {clip(kind)} in annotation {clip(annotation)}; "
+                f"unknown request kind {clip(kind)} in annotation {clip(entry)}; "
                 f"known kinds: {', '.join(KNOWN_KINDS)}"
             )
     return found
 
 
-def clip(value: object, most: int = 80) -> str:
-    """A client's value as an error message may quote it: repr, cut to ``most``
-    characters (messages travel in bounded headers; never echo input whole)."""
-    text = repr(value)
-    return text if len(text) <= most else f"{text[: most - 12]}... ({len(text)} chars)"
-
-
 def _text(field: str, value: str) -> str:
     """A string that can travel as protobuf text (UTF-8): lone surrogates cannot."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(
-            f"{field} is not valid text: {e.reason} at position {e.start} (a lone surrogate "
-            "such as \\ud800 has no UTF-8 form)"
-        ) from None
-    return value
-
-
-def parse_rollout_spec(text: str) -> RolloutSpec:
-    """Parse and validate the JSON after ``rollout:``; wrong keys and types are errors."""
-    if not text.strip():
-        return RolloutSpec()
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"rollout spec is not valid JSON: {e}") from e
-    except RecursionError:
-        raise RequestError("rollout spec is nested too deeply to be a rollout spec") from None
-    if not isinstance(obj, dict):
-        raise RequestError(f"rollout spec must be a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - _ROLLOUT_KEYS)
-    if unknown:
-        raise RequestError(
-            f"rollout spec has unknown keys {clip(unknown)}; allowed: {sorted(_ROLLOUT_KEYS)}"
-        )
-    greedy = obj.get("greedy", False)
-    if not isinstance(greedy, bool):
-        raise RequestError(f"rollout spec 'greedy' must be a boolean, got {greedy!r}")
-    stops = obj.get("stop_strings", [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("rollout spec 'stop_strings' must be a list of non-empty strings")
-    for i, stop in enumerate(stops):
-        _text(f"rollout spec 'stop_strings'[{i}]", stop)
-    request_id = obj.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise RequestError("rollout spec 'request_id' must be a non-empty string")
-    if request_id is not None:
-        _text("rollout spec 'request_id'", request_id)
-    text = obj.get("text", False)
-    if not isinstance(text, bool):
-        raise RequestError(f"rollout spec 'text' must be a boolean, got {clip(text)}")
-    return RolloutSpec(
-        greedy=greedy,
-        stop_strings=tuple(stops),
-        request_id=request_id,
-        text=text,
-        weight_version=_weight_version(obj.get("weight_version")),
-    )
-
-
-def _weight_version(value: Any) -> str | None:
-    """A version label as the engine server takes one (``engine_contract.labels``)."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise RequestError(f"rollout spec 'weight_version' must be a string, got {clip(value)}")
-    problem = label_problem(_text("rollout spec 'weight_version'", value))
+    problem = text_problem(field, value)
     if problem is not None:
-        raise RequestError(f"rollout spec 'weight_version' {problem}")
+        raise RequestError(problem)
     return value
 
 
@@ -245,38 +145,6 @@ def build_rollout_request(
     return msg
 
 
-def rollout_wire(resp: pb.RolloutResponse) -> dict[str, Any]:
-    """The whole rollout result as the JSON object the driver reassembles."""
-    if len(resp.logprobs) != len(resp.token_ids):
-        raise ProtocolError(
-            f"rollout {resp.request_id}: {len(resp.logprobs)} logprobs for "
-            f"{len(resp.token_ids)} tokens"
-        )
-    out: dict[str, Any] = {
-        "version": wire.WIRE_VERSION,
-        "request_id": resp.request_id,
-        "instance_id": resp.instance_id,
-        "token_ids": list(resp.token_ids),
-        "logprobs": wire.encode_logprobs(resp.logprobs),
-        "truncated": resp.truncated,
-        "finish_reason": _WIRE_FINISH_REASONS.get(resp.finish_reason, "error"),
-        "stop_reason": stop_reason(resp.matched_stop),
-        "usage": {
-            "prompt_tokens": resp.usage.prompt_tokens,
-            "completion_tokens": resp.usage.completion_tokens,
-            "cached_prompt_tokens": resp.usage.cached_prompt_tokens,
-        },
-        "routed_experts": None,
-        "r3_stats": None,
-        "weight_versions": wire.encode_weight_versions(resp.weight_versions),
-    }
-    if resp.HasField("routed_experts"):
-        out["routed_experts"] = routed_experts_wire(resp.routed_experts)
-    if resp.HasField("r3_stats"):
-        out["r3_stats"] = {k: getattr(resp.r3_stats, k) for k in wire.R3_KEYS}
-    return out
-
-
 def rollout_chunk(resp: pb.RolloutResponse, text: str = "") -> Chunk:
     """The rollout's one and only chunk.
 
@@ -300,16 +168,6 @@ def rollout_chunk(resp: pb.RolloutResponse, text: str = "") -> Chunk:
     if reason is not None:
         chunk["stop_reason"] = reason
     return chunk
-
-
-def routed_experts_wire(msg: pb.RoutedExperts) -> dict[str, Any]:
-    dtype = _DTYPES.get(msg.dtype)
-    if dtype is None:
-        raise ProtocolError(f"routed experts with unknown dtype {msg.dtype}")
-    try:
-        return wire.encode_routed_experts(msg.data, dtype, list(msg.shape))
-    except wire.WireError as e:
-        raise ProtocolError(str(e)) from e
 
 
 # ---------------------------------------------------------------------------
@@ -539,12 +397,6 @@ def completion_usage(usage: pb.Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
-
-
-def stop_reason(match: pb.StopMatch) -> int | str | None:
-    """The stop token id or stop string that ended the request, if any."""
-    which = match.WhichOneof("match")
-    return None if which is None else getattr(match, which)
 
 
 def cancelled_chunk(prompt_tokens: int, completion_tokens: int = 0) -> Chunk:

@@ -1,7 +1,11 @@
 """The bridge CLI -> BridgeConfig (ours) + WorkerConfig (Dynamo's).
 
-Dynamo's runtime options come from Dynamo's own ``DynamoRuntimeArgGroup``, so
-the flags and environment variables are exactly those of Dynamo's programs
+Our flags are fields of BridgeConfig (the first ones those a supervisor sets,
+``launch.bridge_command.BridgeLaunch``), ``ClientOptions`` and ``EngineTlsFiles``,
+made flags by ``launch.config_flags``: the parser and the config are both built
+from them. Dynamo's runtime options come from Dynamo's own
+``DynamoRuntimeArgGroup``, so the flags and environment variables are exactly
+those of Dynamo's programs
 (``--discovery-backend``/``DYN_DISCOVERY_BACKEND`` with every backend Dynamo
 has, ``--request-plane``/``DYN_REQUEST_PLANE``, ``--event-plane``/
 ``DYN_EVENT_PLANE``, ``--namespace``/``DYN_NAMESPACE``, ...).
@@ -21,12 +25,12 @@ from dynamo.common.configuration.groups.runtime_args import (
     DynamoRuntimeArgGroup,
     DynamoRuntimeConfig,
 )
-from dynamo.common.configuration.utils import add_argument, add_negatable_bool_argument
 from dynamo.common.utils.runtime import parse_endpoint
 from dynamo.llm import ModelInput
 
-from bridge.client import MIB, ClientOptions
-from engine_contract.flags import add_deprecated, add_fields, deprecated_env, flag, from_args
+from bridge.client import ClientOptions
+from launch.bridge_command import BridgeLaunch
+from launch.config_flags import add_fields, flag, from_args
 from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from rl_client.tls import TlsOptions
 
@@ -39,11 +43,6 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 ROLLOUT_TRANSPORTS = ("auto", "stream", "unary")
 # The bridge's own flags' environment variables: this and the flag's name.
 ENV_PREFIX = "BRIDGE_"
-
-
-def _mib(text: str) -> int:
-    """The old --max-message-mib / BRIDGE_MAX_MESSAGE_MIB, in bytes."""
-    return int(text) * MIB
 
 
 def chat_template_source(model_path: Path) -> str | None:
@@ -94,30 +93,24 @@ def resolve_endpoint_types(
 
 
 @dataclass(frozen=True)
-class BridgeConfig:
+class BridgeConfig(BridgeLaunch):
     # Fields with flag(...) metadata are flags (build_parser), each with its
-    # environment variable (BRIDGE_ and the flag: BRIDGE_CONNECT_TIMEOUT_S).
-    engine_address: str
-    model_path: str
-    served_model_name: str | None = None
+    # environment variable (BRIDGE_ and the flag: BRIDGE_CONNECT_TIMEOUT_S); the
+    # first (engine_address to exit_after_engine_gone_s) are BridgeLaunch's.
+    # Dynamo's runtime config decides it (--namespace, DYN_NAMESPACE, --endpoint).
+    namespace: str = "dynamo"
     # How long start() waits for the engine server (a vLLM start can take minutes).
     connect_timeout_s: float = field(
         default=600.0,
-        metadata=flag(
-            "Seconds to wait at start for the engine server to be ready.",
-            old=("--connect-timeout",),
-        ),
+        metadata=flag("Seconds to wait at start for the engine server to be ready."),
     )
-    client: ClientOptions = field(default_factory=ClientOptions)
-    log_level: str = "INFO"
-    kv_events: bool = True
     rollout_transport: str = field(
         default="auto",
         metadata=flag(
             "How rollouts reach the engine server: 'stream' multiplexes them over "
             "one Rollouts stream (far less CPU per rollout on both sides), 'unary' makes "
-            "one Rollout call each, 'auto' streams when the server serves Rollouts "
-            "(contract revision 2 and later).",
+            "one Rollout call each, 'auto' (the default) is 'stream': every engine "
+            "server the bridge accepts serves Rollouts.",
             choices=ROLLOUT_TRANSPORTS,
         ),
     )
@@ -126,8 +119,8 @@ class BridgeConfig:
         metadata=flag(
             "How ordinary completions reach the engine server: 'stream' multiplexes "
             "them over one Generates stream, their deltas packed together, 'unary' makes "
-            "one Generate call each, 'auto' streams when the server serves Generates "
-            "(contract revision 4 and later).",
+            "one Generate call each, 'auto' (the default) is 'stream': every engine "
+            "server the bridge accepts serves Generates.",
             choices=ROLLOUT_TRANSPORTS,
         ),
     )
@@ -141,11 +134,6 @@ class BridgeConfig:
             "already waiting still share a message)."
         ),
     )
-    # Dynamo endpoint types registered ("completions", "chat,completions"), and why.
-    endpoint_types: str = "chat,completions"
-    endpoint_types_reason: str = ""
-    # Dynamo's discovery backend ("file", "etcd", ...): how a lost registration heals.
-    discovery_backend: str = "etcd"
     # How often the engine server's health is asked (with a deadline), and how
     # long it may stay unresponsive before the requests waiting on it fail.
     watch_interval_s: float = 0.25
@@ -158,7 +146,6 @@ class BridgeConfig:
             "the router's pool, as soon as it stops answering.",
             name="--engine-stall-timeout-s",
             off=True,
-            old=("--engine-stall-timeout",),
         ),
     )
     rollout_timeout_s: float | None = field(
@@ -168,41 +155,96 @@ class BridgeConfig:
             "can run long). Past it the engine request is aborted and the rollout fails "
             "with a retryable error.",
             off=True,
-            old=("--rollout-timeout",),
         ),
     )
-    # Set by a host that supervises the bridge, where a vanished engine server
-    # means a vanished host.
-    exit_after_engine_gone_s: float | None = field(
+    client: ClientOptions = field(default_factory=ClientOptions)
+    # Upper-cased when the config is made (logging's spelling).
+    log_level: str = field(
+        default="info",
+        metadata=flag(
+            "Level of the bridge's own logger (Dynamo's follow DYN_LOG).",
+            choices=("debug", "info", "warning", "error"),
+        ),
+    )
+    # With enable_rl the RL admin routes are also described on the request plane
+    # ("<ns>.<component>.rl"); rl_routes serves them on the system port.
+    enable_rl: bool = field(
+        default=False,
+        metadata=flag(
+            "Describe the RL admin routes on the request plane endpoint "
+            "<namespace>.<component>.rl (method 'routes'), as dynamo.vllm --enable-rl "
+            "does. The routes themselves are served on the system port either way.",
+            env="DYN_ENABLE_RL",
+            negatable=True,
+        ),
+    )
+    rl_routes: bool = field(
+        default=True,
+        metadata=flag(
+            "Serve Dynamo's RL admin routes (pause_generation, "
+            "update_weights_from_disk, ...) as /engine/<name> on the system port "
+            "(DYN_SYSTEM_PORT); the bridge then fronts the port and passes every other "
+            "path to Dynamo's own system server.",
+            negatable=True,
+        ),
+    )
+    # Register (and rejoin after an engine restart) only once the engine serves
+    # the fleet's committed weights, when a trainer published them (bridge.catch_up).
+    # On from the command line (its default); off for a config built in code,
+    # which may name no reachable store (etcd is the default backend).
+    catch_up: bool = field(
+        default=False,
+        metadata=flag(
+            "Before registering, and after every engine server restart, read the "
+            "fleet's committed weights (the record a trainer's fleet refit publishes in the "
+            "discovery store, rl_client.committed) and stay out of the router's pool until "
+            "the engine serves them: a committed checkpoint the bridge loads itself, weights "
+            "the trainer pushed are awaited (its keeper pushes them). Without a record the "
+            "worker registers at once. --no-catch-up: register whatever the engine serves.",
+            negatable=True,
+            default=True,
+        ),
+    )
+    # Where admin_token came from, if a file.
+    admin_token_file: str | None = field(
         default=None,
         metadata=flag(
-            "Exit, leaving discovery, once the engine server has been unreachable "
-            "for this many seconds (0: never, the default; a standalone bridge waits for "
-            "its engine server to come back). engine_server.host sets it for the bridges "
-            "it supervises.",
-            off=True,
-            old=("--exit-after-engine-gone",),
+            "File holding the bearer token that the system port requires as "
+            "'Authorization: Bearer <token>' on every path but /health, /live and /metrics "
+            "(the RL admin routes /engine/*, Dynamo's own included; the file's content, "
+            "surrounding whitespace stripped; empty is refused). Without it the token is "
+            f"read from ${TOKEN_ENV}; with neither the routes are open to whoever reaches "
+            "the port (bind it to loopback with DYN_SYSTEM_HOST=127.0.0.1). Never give the "
+            "token itself as a flag: every user sees flags in ps.",
+            env=TOKEN_FILE_ENV,
         ),
     )
-    # Serve Dynamo's RL admin routes on the system port (DYN_SYSTEM_PORT), and
-    # with enable_rl also describe them on the request plane ("<ns>.<component>.rl").
-    rl_routes: bool = True
-    enable_rl: bool = False
-    namespace: str = "dynamo"
-    component: str = "backend"
+    # The component registered: --component, unless --endpoint names another.
+    component: str = field(
+        default=DEFAULT_COMPONENT,
+        metadata=flag("Dynamo component name when --endpoint is not given.", env=False),
+    )
+    kv_events: bool = field(
+        default=True,
+        metadata=flag(
+            "Do not relay the engine's KV events (no KV-aware routing).",
+            name="--disable-kv-events",
+            env=False,
+        ),
+    )
+    # Dynamo endpoint types registered ("completions", "chat,completions"), and why.
+    endpoint_types: str = "chat,completions"
+    endpoint_types_reason: str = ""
+    # Dynamo's discovery backend ("file", "etcd", ...): how a lost registration heals.
+    discovery_backend: str = "etcd"
     request_plane: str = "tcp"
     event_plane: str | None = None
     # The bearer token every system-port path but the probes needs (None: open).
     admin_token: AdminToken | None = None
-    # Register (and rejoin after an engine restart) only once the engine serves
-    # the fleet's committed weights, when a trainer published them (bridge.catch_up).
-    # On from the command line (--catch-up, its default); off for a config built in
-    # code, which may name no reachable store (etcd is the default backend).
-    catch_up: bool = False
 
     def __post_init__(self) -> None:
-        if not self.engine_address:
-            raise ValueError("an engine server address is required (--engine HOST:PORT)")
+        super().__post_init__()
+        object.__setattr__(self, "log_level", self.log_level.upper())
         if self.connect_timeout_s <= 0:
             raise ValueError(f"connect timeout must be > 0, got {self.connect_timeout_s}")
         if self.client.max_message_bytes <= 0:
@@ -211,7 +253,7 @@ class BridgeConfig:
             raise ValueError(f"KV max delay must be in [0, 100] ms, got {self.kv_max_delay_ms}")
         if not self.watch_interval_s > 0:
             raise ValueError(f"watch interval must be > 0 s, got {self.watch_interval_s}")
-        for name in ("stall_timeout_s", "rollout_timeout_s", "exit_after_engine_gone_s"):
+        for name in ("stall_timeout_s", "rollout_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 (or off), got {value}")
@@ -225,6 +267,47 @@ class BridgeConfig:
                 f"generate transport must be one of {', '.join(ROLLOUT_TRANSPORTS)}, "
                 f"got {self.generate_transport!r}"
             )
+
+
+@dataclass(frozen=True)
+class EngineTlsFiles:
+    """TLS to the engine server as its flags give it (``--engine-tls-*``);
+    ``options()`` is what the client uses."""
+
+    ca: str | None = field(
+        default=None,
+        metadata=flag(
+            "CA bundle (PEM) that verifies the engine server's certificate; turns TLS "
+            "on (none given: the system's roots)"
+        ),
+    )
+    cert: str | None = field(
+        default=None,
+        metadata=flag(
+            "client certificate (PEM) for an engine server that requires one (its "
+            "--tls-client-ca); turns TLS on"
+        ),
+    )
+    key: str | None = field(
+        default=None, metadata=flag("the client certificate's private key (PEM)")
+    )
+    server_name: str | None = field(
+        default=None,
+        metadata=flag(
+            "the name the engine server's certificate must carry when it is not the "
+            "host in --engine"
+        ),
+    )
+
+    def options(self) -> TlsOptions | None:
+        """The client's TLS (None: plaintext); ValueError naming what is wrong."""
+        if self.ca or self.cert or self.key:
+            return TlsOptions(self.ca, self.cert, self.key, self.server_name)
+        if self.server_name:
+            raise ValueError(
+                "--engine-tls-server-name needs TLS (--engine-tls-ca or a client cert)"
+            )
+        return None
 
 
 class _Config(DynamoRuntimeConfig):
@@ -247,134 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     g = parser.add_argument_group("Bridge options")
-    add_argument(
-        g,
-        flag_name="--engine",
-        env_var="BRIDGE_ENGINE_ADDRESS",
-        default=None,
-        help="Engine server address, HOST:PORT or unix:PATH.",
-    )
-    add_argument(
-        g,
-        flag_name="--model-path",
-        env_var="BRIDGE_MODEL_PATH",
-        default=None,
-        help="Local model directory the frontend reads the tokenizer and config "
-        "from (config.json, tokenizer.json, tokenizer_config.json).",
-    )
-    add_argument(
-        g,
-        flag_name="--served-model-name",
-        env_var="BRIDGE_SERVED_MODEL_NAME",
-        default=None,
-        help="Name to serve the model under (default: the engine server's model name).",
-    )
     add_fields(g, BridgeConfig, env_prefix=ENV_PREFIX)
     add_fields(g, ClientOptions, env_prefix=ENV_PREFIX)
-    # The size in MiB before the unit rule (engine_contract.flags): bytes now.
-    add_deprecated(
-        g, "--max-message-mib", "--max-message-bytes", dest="max_message_bytes", type=_mib
-    )
-    old_env = deprecated_env(os.environ, "BRIDGE_MAX_MESSAGE_MIB", "BRIDGE_MAX_MESSAGE_BYTES", _mib)
-    if old_env is not None:
-        parser.set_defaults(max_message_bytes=old_env)
-    add_argument(
-        g,
-        flag_name="--generate-pacing",
-        env_var="BRIDGE_GENERATE_PACING",
-        default="on",
-        choices=["on", "off"],
-        help="On a Generates stream, 'on' has the engine server send a completion's "
-        "next delta once the bridge has handed the last to Dynamo, so each delta "
-        "carries the tokens made meanwhile (fewer, larger deltas: less CPU per "
-        "token in every process on the way); 'off' sends every delta as it comes. "
-        "Needs an engine server of contract revision 6 or later (older ones stream "
-        "unpaced).",
-    )
-    add_argument(
-        g,
-        flag_name="--log-level",
-        env_var="BRIDGE_LOG_LEVEL",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="Level of the bridge's own logger (Dynamo's follow DYN_LOG).",
-    )
-    add_negatable_bool_argument(
-        g,
-        flag_name="--enable-rl",
-        env_var="DYN_ENABLE_RL",
-        default=False,
-        help="Describe the RL admin routes on the request plane endpoint "
-        "<namespace>.<component>.rl (method 'routes'), as dynamo.vllm --enable-rl "
-        "does. The routes themselves are served on the system port either way.",
-    )
-    add_negatable_bool_argument(
-        g,
-        flag_name="--rl-routes",
-        env_var="BRIDGE_RL_ROUTES",
-        default=True,
-        help="Serve Dynamo's RL admin routes (pause_generation, "
-        "update_weights_from_disk, ...) as /engine/<name> on the system port "
-        "(DYN_SYSTEM_PORT); the bridge then fronts the port and passes every other "
-        "path to Dynamo's own system server.",
-    )
-    add_negatable_bool_argument(
-        g,
-        flag_name="--catch-up",
-        env_var="BRIDGE_CATCH_UP",
-        default=True,
-        help="Before registering, and after every engine server restart, read the "
-        "fleet's committed weights (the record a trainer's fleet refit publishes in the "
-        "discovery store, rl_client.committed) and stay out of the router's pool until "
-        "the engine serves them: a committed checkpoint the bridge loads itself, weights "
-        "the trainer pushed are awaited (its keeper pushes them). Without a record the "
-        "worker registers at once. --no-catch-up: register whatever the engine serves.",
-    )
-    add_argument(
-        g,
-        flag_name="--admin-token-file",
-        env_var=TOKEN_FILE_ENV,
-        default=None,
-        help="File holding the bearer token that the system port requires as "
-        "'Authorization: Bearer <token>' on every path but /health, /live and /metrics "
-        "(the RL admin routes /engine/*, Dynamo's own included; the file's content, "
-        "surrounding whitespace stripped; empty is refused). Without it the token is read from "
-        f"${TOKEN_ENV}; with neither the routes are open to whoever reaches the port "
-        "(bind it to loopback with DYN_SYSTEM_HOST=127.0.0.1). Never give the token "
-        "itself as a flag: every user sees flags in ps.",
-    )
-    for name, env, what in (
-        (
-            "--engine-tls-ca",
-            "BRIDGE_ENGINE_TLS_CA",
-            "CA bundle (PEM) that verifies the engine "
-            "server's certificate; turns TLS on (none given: the system's roots)",
-        ),
-        (
-            "--engine-tls-cert",
-            "BRIDGE_ENGINE_TLS_CERT",
-            "client certificate (PEM) for an "
-            "engine server that requires one (its --tls-client-ca); turns TLS on",
-        ),
-        ("--engine-tls-key", "BRIDGE_ENGINE_TLS_KEY", "the client certificate's private key (PEM)"),
-        (
-            "--engine-tls-server-name",
-            "BRIDGE_ENGINE_TLS_SERVER_NAME",
-            "the name the engine "
-            "server's certificate must carry when it is not the host in --engine",
-        ),
-    ):
-        add_argument(g, flag_name=name, env_var=env, default=None, help=what)
-    g.add_argument(
-        "--component",
-        default=DEFAULT_COMPONENT,
-        help="Dynamo component name when --endpoint is not given.",
-    )
-    g.add_argument(
-        "--disable-kv-events",
-        action="store_true",
-        help="Do not relay the engine's KV events (no KV-aware routing).",
-    )
+    add_fields(g, EngineTlsFiles, prefix="engine-tls-", env_prefix=ENV_PREFIX)
     DynamoRuntimeArgGroup().add_arguments(parser)
     # None unless the user chose: the bridge then decides from the model's chat
     # template (see resolve_endpoint_types). The environment still counts.
@@ -385,68 +343,43 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerConfig]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.engine:
+    ours = from_args(args, BridgeConfig)
+    if not ours["engine_address"]:
         parser.error("--engine is required (or BRIDGE_ENGINE_ADDRESS)")
-    if not args.model_path:
+    if not ours["model_path"]:
         parser.error("--model-path is required (or BRIDGE_MODEL_PATH)")
-    model_path = Path(args.model_path).expanduser()
+    model_path = Path(ours["model_path"]).expanduser()
     missing = [name for name in MODEL_FILES if not (model_path / name).is_file()]
     if missing:
         parser.error(f"--model-path {model_path} lacks {', '.join(missing)}")
-
-    tls = None
-    if args.engine_tls_ca or args.engine_tls_cert or args.engine_tls_key:
-        try:
-            tls = TlsOptions(
-                args.engine_tls_ca,
-                args.engine_tls_cert,
-                args.engine_tls_key,
-                args.engine_tls_server_name,
-            )
-        except ValueError as e:
-            parser.error(str(e))
-    elif args.engine_tls_server_name:
-        parser.error("--engine-tls-server-name needs TLS (--engine-tls-ca or a client cert)")
     try:
+        tls = EngineTlsFiles(**from_args(args, EngineTlsFiles, prefix="engine-tls-")).options()
         endpoint_types, why = resolve_endpoint_types(
             args.endpoint_types, model_path, args.custom_jinja_template
         )
+        admin_token = AdminToken.resolve(ours["admin_token_file"])
     except ValueError as e:
         parser.error(str(e))
     args.endpoint_types = endpoint_types
-    try:
-        admin_token = AdminToken.resolve(args.admin_token_file)
-    except ValueError as e:
-        parser.error(str(e))
     runtime = _Config.from_cli_args(args)
     runtime.validate()
     endpoint = args.endpoint or f"dyn://{runtime.namespace}.{args.component}.{DEFAULT_ENDPOINT}"
     runtime.namespace, runtime.component, runtime.endpoint = parse_endpoint(endpoint)
 
-    bridge = BridgeConfig(
-        engine_address=args.engine,
-        model_path=os.fspath(model_path),
-        served_model_name=args.served_model_name,
-        **from_args(args, BridgeConfig),
-        client=ClientOptions(
-            **from_args(args, ClientOptions),
-            tls=tls,
-            paced_generates=args.generate_pacing == "on",
-        ),
-        log_level=args.log_level.upper(),
-        kv_events=not args.disable_kv_events,
-        endpoint_types=endpoint_types,
-        endpoint_types_reason=why,
-        discovery_backend=str(runtime.discovery_backend),
-        rl_routes=args.rl_routes,
-        enable_rl=args.enable_rl,
-        namespace=runtime.namespace,
-        component=runtime.component,
-        request_plane=str(runtime.request_plane),
-        event_plane=runtime.event_plane,
-        admin_token=admin_token,
-        catch_up=args.catch_up,
-    )
+    # What the flags do not give as is: read, checked or decided from them.
+    derived = {
+        "model_path": os.fspath(model_path),
+        "client": ClientOptions(**from_args(args, ClientOptions), tls=tls),
+        "endpoint_types": endpoint_types,
+        "endpoint_types_reason": why,
+        "discovery_backend": str(runtime.discovery_backend),
+        "namespace": runtime.namespace,
+        "component": runtime.component,
+        "request_plane": str(runtime.request_plane),
+        "event_plane": runtime.event_plane,
+        "admin_token": admin_token,
+    }
+    bridge = BridgeConfig(**(ours | derived))
     worker = WorkerConfig.from_runtime_config(
         runtime,
         model_name=bridge.model_path,

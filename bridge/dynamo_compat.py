@@ -16,6 +16,10 @@ that starts Dynamo's programs, one call that works on either:
 - ``frontend_router_reset_flags``: NeMo RL always passes the frontend
   ``--router-reset-states`` or ``--no-router-reset-states``; 1.3.0.post1's
   frontend takes them, 1.6.1's refuses them and exits.
+- ``token_in_token_out_runtime_data``: 1.6.1's frontend serves vLLM's
+  ``POST /inference/v1/generate`` (with ``DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE``)
+  to workers whose card says ``runtime_data["vllm_inference_v1_generate"]``;
+  1.3.0.post1 has no such route, so the card says nothing there.
 
 Not here, because one value suits both: ``DYN_TCP_RESPONSE_STREAM_HOST`` is an
 interface name in 1.3.0.post1 (an address fails every model with "Interface not
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -110,3 +115,27 @@ def frontend_router_reset_flags(reset: bool) -> list[str]:
     installed frontend would refuse it (it has no such option)."""
     flag = "--router-reset-states" if reset else "--no-router-reset-states"
     return [flag] if flag in _frontend_flags() else []
+
+
+# The model card entry (``runtime_data``) that puts a worker behind the frontend's
+# ``/inference/v1/generate``: Rust's ``VLLM_INFERENCE_V1_GENERATE_CAPABILITY``,
+# dynamo.vllm's ``engine_generate.VLLM_GENERATE_CAPABILITY``.
+TOKEN_IN_TOKEN_OUT_CAPABILITY = "vllm_inference_v1_generate"
+
+
+@functools.cache
+def serves_token_in_token_out() -> bool:
+    """Whether the installed Dynamo serves ``/inference/v1/generate``: its worker
+    half (``dynamo.vllm.engine_generate``, which dynamo.vllm publishes the
+    capability from) ships with the frontend route. Looked up, not imported: that
+    module's helpers import vLLM."""
+    try:
+        return importlib.util.find_spec("dynamo.vllm.engine_generate") is not None
+    except ImportError:
+        return False
+
+
+def token_in_token_out_runtime_data() -> dict[str, Any]:
+    """The card's ``runtime_data`` entry that routes ``/inference/v1/generate`` to
+    this worker, where the installed Dynamo has the route (else none)."""
+    return {TOKEN_IN_TOKEN_OUT_CAPABILITY: True} if serves_token_in_token_out() else {}

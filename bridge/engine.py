@@ -29,10 +29,12 @@ from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 
 from bridge import metrics
-from bridge.admin.rl_admin import RlAdmin
+from bridge.admin.rl_admin import RlAdmin, weight_world_size
 from bridge.admin.rl_endpoint import RlEndpoint
+from bridge.admin.surface import AdminSurface
 from bridge.admin.system_server import SystemPort, SystemServer
 from bridge.config import BridgeConfig, parse_args
+from bridge.dynamo_compat import token_in_token_out_runtime_data
 from bridge.engine_link import EngineLink
 from bridge.engine_metrics import EngineSeries
 from bridge.fleet_record import runtime_data
@@ -64,6 +66,8 @@ class BridgeEngine(LLMEngine):
             self.runner.engine_request_id,
             watch=lambda: self.link.watch,
         )
+        # Its routes in dynamo.vllm's, vLLM's and the Dynamo sidecar's spellings.
+        self.admin_surface = AdminSurface(self.rl_admin)
         # vLLM's series, added to the system port's /metrics as dynamo.vllm has them.
         self.engine_series = EngineSeries(
             lambda: (self.link.client, self.link.info), config.client.metrics_timeout_s
@@ -71,9 +75,10 @@ class BridgeEngine(LLMEngine):
         self._system = (
             SystemServer(
                 system_port,
-                self.rl_admin.routes(),
+                self.admin_surface.engine_routes,
                 config.admin_token,
                 extra_metrics=self.engine_series.text,
+                http_routes=self.admin_surface.http_routes,
             )
             if system_port is not None
             else None
@@ -120,7 +125,10 @@ class BridgeEngine(LLMEngine):
         info = await self.link.start(worker_id, on_stalled=self.runner.fail_stalled)
         log.info("registering endpoint types %s: %s", cfg.endpoint_types, cfg.endpoint_types_reason)
         system = self._system.address if self._system is not None else None
-        return _engine_config(cfg, info, runtime_data(cfg, system))
+        # What trainers read (the fleet record), and /inference/v1/generate where
+        # this Dynamo serves it (bridge.tito answers it).
+        data = runtime_data(cfg, system) | token_in_token_out_runtime_data()
+        return _engine_config(cfg, info, data)
 
     async def kv_event_sources(self) -> list[KvEventSource]:
         client, info = self.link.client, self.link.info
@@ -153,8 +161,13 @@ class BridgeEngine(LLMEngine):
         self.registration.start(endpoint, self._worker_id)
         if self.config.enable_rl:
             system_url = self._system.address.url if self._system is not None else None
+            info = self.link.info
             self._rl_endpoint = RlEndpoint(
-                self.config, self.rl_admin.routes(), system_url, endpoint.connection_id()
+                self.config,
+                self.admin_surface.listed(),
+                system_url,
+                endpoint.connection_id(),
+                world_size=weight_world_size(info) if info is not None else 1,
             )
             await self._rl_endpoint.start()
 

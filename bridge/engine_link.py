@@ -1,14 +1,14 @@
 """EngineLink: the bridge's hold on the one engine server at its address.
 
 That server can restart, be swapped or wedge while the bridge runs, so what the
-bridge knows of it (its info and instance, the transports it allows, whether it
-fits what the worker registered with Dynamo) is kept in one place and updated by
-one sequence, the same at start and after every change the watch or the KV
-stream reports. A server the worker cannot serve is refused: out of the router's
-pool, loudly, until a fitting one is back. A server that lacks the fleet's
-committed weights (started, or restarted, mid-training) is held out the same
-way until it has them (``bridge.catch_up``): before the worker registers at
-all, and again after every restart.
+bridge knows of it (its info and instance, whether it fits what the worker
+registered with Dynamo) is kept in one place and updated by one sequence, the
+same at start and after every change the watch or the KV stream reports. A
+server the worker cannot serve is refused: out of the router's pool, loudly,
+until a fitting one is back. A server that lacks the fleet's committed weights
+(started, or restarted, mid-training) is held out the same way until it has
+them (``bridge.catch_up``): before the worker registers at all, and again after
+every restart.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import grpc
 
-import engine_contract
 from bridge import catch_up, metrics
 from bridge.client import EngineClient, IncompatibleServerError, check_compatible
 from bridge.config import BridgeConfig
@@ -39,7 +38,7 @@ UNARY = "one call each"
 
 
 class EngineLink:
-    """The client, the server's info and instance, and the transports chosen for it.
+    """The client, the server's info and instance, and the transports the flags chose.
     ``start()`` connects; ``note_instance()`` and the watch re-read the server."""
 
     def __init__(self, config: BridgeConfig, registration: Registration) -> None:
@@ -51,8 +50,10 @@ class EngineLink:
         # Why the engine server now at our address cannot be served (registration
         # mismatch), if so: out of the pool until a fitting one is back.
         self.unservable: str | None = None
-        self.stream_rollouts = False
-        self.stream_generates = False
+        # Every server inside the contract's window serves both streams, so the
+        # flags alone choose: auto and stream multiplex, unary makes one call each.
+        self.stream_rollouts = config.rollout_transport != "unary"
+        self.stream_generates = config.generate_transport != "unary"
         # Why the worker stays out of the pool until its engine server serves the
         # fleet's committed weights, while it catches up (None: it may serve).
         self.held: str | None = None
@@ -146,45 +147,10 @@ class EngineLink:
         return info
 
     def _adopt(self, client: EngineClient, info: pb.GetServerInfoResponse) -> None:
-        """Serve ``info``'s server: its instance, its limits and the transports it
-        allows. Raises IncompatibleServerError (adopting nothing) when a transport
-        the flags require is one it lacks."""
-        stream_rollouts = self._choose_transport(
-            info,
-            self.config.rollout_transport,
-            "--rollout-transport",
-            "Rollouts",
-            engine_contract.ROLLOUTS_STREAM_REVISION,
-        )
-        stream_generates = self._choose_transport(
-            info,
-            self.config.generate_transport,
-            "--generate-transport",
-            "Generates",
-            engine_contract.GENERATES_STREAM_REVISION,
-        )
+        """Serve ``info``'s server (``check_compatible`` passed it): its instance and
+        its limits."""
         self.info, self.instance_id = info, info.instance_id
         client.use_server_limits(info)
-        self.stream_rollouts, self.stream_generates = stream_rollouts, stream_generates
-
-    def _choose_transport(
-        self,
-        info: pb.GetServerInfoResponse,
-        transport: str,
-        flag: str,
-        stream: str,
-        revision: int,
-    ) -> bool:
-        """``transport`` (``flag``: auto|stream|unary) against a server: True to use
-        ``stream``, which servers serve from contract ``revision`` on."""
-        serves_stream = info.contract_revision >= revision
-        if transport == "stream" and not serves_stream:
-            raise IncompatibleServerError(
-                f"engine server at {self.config.engine_address} implements contract revision "
-                f"{info.contract_revision}, without the {stream} stream (revision "
-                f"{revision}) that {flag} stream needs: upgrade the engine server or use auto"
-            )
-        return transport == "stream" or (transport == "auto" and serves_stream)
 
     def _transports(self) -> tuple[str, str]:
         """How rollouts and completions travel, for the log."""

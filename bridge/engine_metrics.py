@@ -9,7 +9,7 @@ labels win), and RL frameworks read them there (NeMo RL's
 local or remote, so each scrape of the bridge's system port asks it
 (``GetEngineMetrics``, contract revision 9) under a short deadline and labels
 its series with Dynamo's own helper and the labels Dynamo gives the bridge's
-series. A slow, dead or older server costs a scrape at most the deadline: the
+series. A slow or dead server costs a scrape at most the deadline: the
 scrape then carries the rest without them, and a log line (at most one a minute
 while that lasts) says why.
 """
@@ -26,7 +26,6 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-import engine_contract
 from bridge.client import EngineClient
 from engine_contract.v1 import engine_pb2 as pb
 
@@ -86,13 +85,6 @@ class EngineSeries:
         client, info = self._link()
         if client is None or info is None:
             self._failed("unlinked", "no engine server connected yet", quiet=True)
-            return ""
-        if info.contract_revision < engine_contract.ENGINE_METRICS_REVISION:
-            self._failed(
-                "revision",
-                f"the engine server speaks contract revision {info.contract_revision}, "
-                f"GetEngineMetrics needs {engine_contract.ENGINE_METRICS_REVISION}",
-            )
             return ""
         try:
             raw = await client.get_engine_metrics(self.timeout_s)

@@ -24,8 +24,8 @@ from dynamo.llm.exceptions import (
     Unknown,
 )
 
-from bridge.codec import ProtocolError, RequestError
-from engine_contract import WEIGHT_GUARD_REVISION
+from bridge.codec import RequestError
+from bridge.rollout_wire import ProtocolError
 from engine_contract.retry import LIMIT_TRAILER
 
 # Every gRPC status code, so a code nobody expected still has a considered answer
@@ -121,17 +121,6 @@ def stream_ended_early() -> DynamoException:
 def engine_not_serving(address: str) -> DynamoException:
     """The engine server is down or not SERVING (health probe): migratable."""
     return Disconnected(f"engine server at {address} is not serving")
-
-
-def weight_guard_unsupported(revision: int) -> DynamoException:
-    """A rollout naming its weight version, for an engine server that would ignore
-    the field (contract revision < 8): never run unguarded; migratable, since
-    another worker's server may guard it."""
-    return Disconnected(
-        f"the engine server (contract revision {revision}) cannot hold a rollout to a "
-        f"weight version (revision {WEIGHT_GUARD_REVISION}); upgrade it, or send the "
-        "rollout without 'weight_version'"
-    )
 
 
 def rollout_timed_out(timeout_s: float | None) -> DynamoException:

@@ -78,8 +78,7 @@ class RouterView:
         # Called when the view needs a fresh subscription (a snapshot) at once.
         self.on_resync = on_resync
         self._max_buffered = max_buffered
-        # Several engine batches per stream message (servers of contract
-        # revision 2; older ones send one each): fewer messages to pay for.
+        # Several engine batches per stream message: fewer messages to pay for.
         self._max_batches_per_message = max_batches_per_message
         self._max_delay_ms = max_delay_ms
         self.ranks = ranks

@@ -206,6 +206,13 @@ class Registration:
             self._client = await self._endpoint.client()
         return self._worker_id in self._client.instance_ids()
 
+    def _lose(self) -> None:
+        """Give up on this registration, whichever way it was lost (records never
+        captured, or gone past ``lost_after_s``): the owner exits for a restart."""
+        self.lost = True
+        if self._on_lost is not None:
+            self._on_lost()
+
     async def _watch(self) -> None:
         records = self._records
         # Polled: the Worker writes its records with no event to wait on. Records
@@ -221,9 +228,7 @@ class Registration:
                     self.capture_timeout_s,
                     EXIT_REGISTRATION_LOST,
                 )
-                self.lost = True
-                if self._on_lost is not None:
-                    self._on_lost()
+                self._lose()
                 return
             await asyncio.sleep(self.interval_s)
         missing_since: float | None = None
@@ -261,7 +266,5 @@ class Registration:
                         self.discovery_backend,
                         EXIT_REGISTRATION_LOST,
                     )
-                    self.lost = True
-                    if self._on_lost is not None:
-                        self._on_lost()
+                    self._lose()
                     return

@@ -23,7 +23,7 @@ from dynamo._core import Context
 from dynamo.common.backend.engine import GenerateChunk, GenerateRequest
 from dynamo.common.backend.health_check import is_probe
 
-from bridge import codec, errors, metrics, weight_refusal
+from bridge import codec, errors, metrics, tito, weight_refusal
 from bridge.client import EngineClient
 from bridge.config import BridgeConfig
 from bridge.dynamo_compat import normalize_request_token_ids
@@ -31,7 +31,6 @@ from bridge.engine_link import EngineLink
 from bridge.generate_mux import PendingGenerate
 from bridge.rollout_mux import PendingRollout
 from bridge.rollout_text import RolloutText
-from engine_contract import WEIGHT_GUARD_REVISION
 from engine_contract.trace import trace_context
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.wire import WeightVersionRefusal
@@ -170,9 +169,6 @@ class RequestRunner:
         """One Rollout: the whole answer in one chunk."""
         link = self.link
         message = codec.build_rollout_request(entry.request_id, request, spec)
-        revision = link.info.contract_revision if link.info is not None else 0
-        if message.HasField("required_weight_version") and revision < WEIGHT_GUARD_REVISION:
-            raise errors.weight_guard_unsupported(revision)
         rank = self._routed_rank(request)
         if rank is not None:
             message.data_parallel_rank = rank
@@ -243,11 +239,19 @@ class RequestRunner:
         self, client: EngineClient, entry: InFlight, request: GenerateRequest
     ) -> AsyncGenerator[codec.Chunk, None]:
         """One Generate: its deltas as they come, through the one that finishes it;
-        the last also carries the token bundle when the client asked for engine_data."""
-        message = codec.build_generate_request(entry.request_id, request)
+        the last also carries the token bundle when the client asked for engine_data.
+        A token-in/token-out request (``/inference/v1/generate``) is read and answered
+        as ``bridge.tito`` says."""
+        envelope = tito.envelope(request)
+        plan = tito.plan(entry.request_id, request, envelope) if envelope is not None else None
+        message = (
+            plan.message
+            if plan is not None
+            else codec.build_generate_request(entry.request_id, request)
+        )
         trace = (
             codec.TokenTrace(message.prompt_token_ids)
-            if codec.engine_data_requested(request)
+            if plan is None and codec.engine_data_requested(request)
             else None
         )
         show_logprobs = codec.logprobs_requested(request)
@@ -263,7 +267,11 @@ class RequestRunner:
         entry.call = call
         started = time.perf_counter()
         async for response in call:
-            chunk = codec.generate_chunk(response, logprobs=show_logprobs)
+            chunk = (
+                plan.chunk(response)
+                if plan is not None
+                else codec.generate_chunk(response, logprobs=show_logprobs)
+            )
             if trace is not None:
                 trace.add(response)
             if "finish_reason" in chunk:

@@ -4,10 +4,10 @@ The bridge registers its engine server's model and shape with Dynamo once, at
 start (the model card, context length, KV block size, data-parallel ranks).
 When a new engine-server instance appears at the same address (restarted,
 upgraded, another backend), the bridge re-reads its info: a different
-contract revision, rollout transport, limits or backend it adapts to; a
-different model or shape it cannot, because the frontend and the KV router
-keep what was registered. Those are listed here, so that the bridge can say so
-and leave the router's pool rather than serve answers that do not fit.
+contract revision (within the supported window), limits or backend it adapts
+to; a different model or shape it cannot, because the frontend and the KV
+router keep what was registered. Those are listed here, so that the bridge can
+say so and leave the router's pool rather than serve answers that do not fit.
 """
 
 from __future__ import annotations

@@ -5,9 +5,13 @@ protobuf's descriptor pool. Only ``v1/*_pb2*.py`` are generated (``make proto``)
 this file and ``v1/__init__.py`` are written by hand.
 """
 
-# Bump on every behavioural change to the contract. Servers accept clients from
-# MINIMUM_CLIENT_REVISION on; clients accept servers from MINIMUM_SERVER_REVISION on.
-# Revision history:
+# Bump on every behavioural change to the contract. Supported: the last two
+# revisions (docs/contract.md, "Supported revisions"). Servers accept clients from
+# MINIMUM_CLIENT_REVISION on, clients servers from MINIMUM_SERVER_REVISION on; a
+# peer outside that is refused at GetServerInfo, never served by a fallback. A
+# bump moves both minimums to the revision before it, and the code kept for the
+# revision that leaves the window goes (tests/unit/test_contract_window.py).
+# Revision history (what each added; the notes on older peers are history):
 #   1  first release.
 #   2  Rollouts: many rollouts multiplexed over one bidirectional stream;
 #      SubscribeKvEvents may pack several batches into one message.
@@ -39,12 +43,12 @@ this file and ``v1/__init__.py`` are written by hand.
 #      another label refuses them with ABORTED (retryable) before generating;
 #      one whose weights or label change under them ends them with finish reason
 #      WEIGHT_VERSION_CHANGED and the tokens so far (an older server ignores the
-#      field: clients send it only to servers of WEIGHT_GUARD_REVISION or later).
+#      field: clients sent it only to servers of revision 8 or later).
 #   9  GetEngineMetrics: the engine's own Prometheus series (vLLM's ``vllm:``
 #      and ``lmcache:`` families) as exposition text, so that a client can
 #      publish them in its worker's /metrics as dynamo.vllm does (an older
-#      server answers UNIMPLEMENTED: clients call it only on servers of
-#      ENGINE_METRICS_REVISION or later).
+#      server answers UNIMPLEMENTED: clients called it only on servers of
+#      revision 9 or later).
 #  10  Weight fencing: RefitState.weight_changes counts the weight and label
 #      changes begun; loads (WeightUpdateOptions), StartWeightUpdate and
 #      UpdateWeightVersion may carry expect_weight_changes and are refused
@@ -52,34 +56,18 @@ this file and ``v1/__init__.py`` are written by hand.
 #      writer came first). Clients send it only to servers of
 #      WEIGHT_FENCE_REVISION or later (an older server ignores it).
 CONTRACT_REVISION = 10
-MINIMUM_CLIENT_REVISION = 1
-MINIMUM_SERVER_REVISION = 1
-# The first server revision that serves Rollouts (clients fall back to Rollout
-# calls on older servers).
-ROLLOUTS_STREAM_REVISION = 2
-# The first server revision that serves Generates (clients fall back to Generate
-# calls on older servers).
-GENERATES_STREAM_REVISION = 4
-# The first server revision that paces Generates deltas (GenerateStart.paced).
-PACED_GENERATES_REVISION = 6
-# The first server revision that honours required_weight_version.
-WEIGHT_GUARD_REVISION = 8
-# The first server revision that serves GetEngineMetrics.
-ENGINE_METRICS_REVISION = 9
-# The first server revision that fences weight changes (expect_weight_changes).
+MINIMUM_CLIENT_REVISION = 9
+MINIMUM_SERVER_REVISION = 9
+# The first server revision that fences weight changes (expect_weight_changes):
+# a revision-9 server, inside the window, lacks it.
 WEIGHT_FENCE_REVISION = 10
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
 __all__ = [
     "CONTRACT_REVISION",
-    "ENGINE_METRICS_REVISION",
-    "GENERATES_STREAM_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",
-    "PACED_GENERATES_REVISION",
-    "ROLLOUTS_STREAM_REVISION",
     "SERVICE_NAME",
     "WEIGHT_FENCE_REVISION",
-    "WEIGHT_GUARD_REVISION",
 ]

@@ -48,10 +48,14 @@ def check_request_id(request_id: str, limits: Limits) -> None:
 
 def check_id_length(field: str, value: str, limits: Limits) -> None:
     """Every id a request carries is bounded (and never echoed whole)."""
-    if len(value) > limits.max_request_id_length:
-        raise InvalidRequest(
-            field, f"{len(value)} characters, more than the limit of {limits.max_request_id_length}"
-        )
+    check_length(field, value, limits.max_request_id_length)
+
+
+def check_length(field: str, value: str, most: int) -> str:
+    """``value``, refused when longer than ``most`` characters (never echoed whole)."""
+    if len(value) > most:
+        raise InvalidRequest(field, f"{len(value)} characters, more than the limit of {most}")
+    return value
 
 
 def check_prompt(prompt: Sequence[int], info: EngineInfo, *, fit_context: bool = True) -> None:

@@ -14,9 +14,9 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_contract.flags import add_fields, from_args
 from engine_server.backends import BACKENDS, load_backend_class
 from engine_server.backends.base import EngineBackend
 from engine_server.config import (
@@ -28,12 +28,53 @@ from engine_server.config import (
 )
 from engine_server.generation_config import GenerationConfig, load_generation_config
 from engine_server.server import EngineServerHandle, start_server
+from launch.config_flags import add_fields, flag, from_args
 
 log = logging.getLogger("engine_server")
 
-# Flags from the config dataclasses' fields (engine_contract.flags), by group;
-# every one of their fields with flag metadata is one (listen and allow_remote
-# are in the "listening" group).
+
+@dataclass(frozen=True)
+class Command:
+    """What the command line sets besides the server's config: the backend, this
+    process's logging and event loop, the ready file, NeMo RL's generation section."""
+
+    backend: str = field(
+        default="sim", metadata=flag("inference engine to serve", choices=sorted(BACKENDS))
+    )
+    log_level: str = field(
+        default="info",
+        metadata=flag(
+            "level of the engine server's own logging",
+            choices=("debug", "info", "warning", "error"),
+        ),
+    )
+    event_loop: str = field(
+        default="auto",
+        metadata=flag(
+            "asyncio event loop; auto: uvloop when installed, as Dynamo's workers use "
+            "(it makes the gRPC path and the engine loop cheaper)",
+            choices=("auto", "uvloop", "asyncio"),
+        ),
+    )
+    ready_file: Path | None = field(
+        default=None,
+        metadata=flag("write the bound address here once the engine is ready"),
+    )
+    generation_config: Path | None = field(
+        default=None,
+        metadata=flag(
+            "NeMo RL's generation section (YAML or JSON; the section itself, "
+            "{generation: ...} or a whole config with policy.generation): sampling, stop "
+            "tokens and strings, ignore_eos, bad_words, and vllm_cfg engine settings",
+            metavar="FILE",
+        ),
+    )
+
+
+# Flags from the config dataclasses' fields (launch.config_flags), by help
+# group; every one of their fields with flag metadata is in one.
+_PROCESS_FLAGS = ("backend", "log_level", "event_loop")
+_LISTEN_FLAGS = ("listen", "allow_remote")
 _SERVER_FLAGS = (
     "grace_period_s",
     "stream_write_timeout_s",
@@ -58,64 +99,15 @@ DESCRIPTION = (
 )
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is out of range 0..65535")
-    return port
-
-
 def build_parser(backend: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine_server", description=DESCRIPTION)
-    parser.add_argument(
-        "--backend",
-        choices=sorted(BACKENDS),
-        default="sim",
-        help="inference engine to serve (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    parser.add_argument(
-        "--event-loop",
-        default="auto",
-        choices=["auto", "uvloop", "asyncio"],
-        help="asyncio event loop; auto: uvloop when installed, as Dynamo's workers use "
-        "(it makes the gRPC path and the engine loop cheaper) (default: %(default)s)",
-    )
+    add_fields(parser, Command, only=_PROCESS_FLAGS)
 
     net = parser.add_argument_group("listening")
-    add_fields(net, ServerConfig, only=("listen", "allow_remote"))
-    net.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
-    net.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    net.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        help="CA bundle (PEM); clients must then present a certificate it signed",
-    )
-    net.add_argument(
-        "--metrics-port",
-        type=_port,
-        metavar="PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --listen's "
-        "(loopback for a unix socket: remote only where --allow-remote let --listen be); "
-        "0 picks a free port (default: off)",
-    )
-    net.add_argument(
-        "--ready-file", type=Path, help="write the bound address here once the engine is ready"
-    )
+    add_fields(net, ServerConfig, only=_LISTEN_FLAGS)
+    add_fields(net, TlsConfig)
+    add_fields(net, ServerConfig, only=("metrics_port",))
+    add_fields(net, Command, only=("ready_file",))
     srv = parser.add_argument_group("requests and shutdown")
     add_fields(srv, ServerConfig, only=_SERVER_FLAGS)
     add_fields(srv, Limits, only=_MESSAGE_LIMITS)
@@ -129,28 +121,12 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
     )
     add_fields(adm, Limits, only=_ADMISSION_LIMITS)
 
-    defaults = GenerationDefaults()
     gen = parser.add_argument_group(
         "rollout generation defaults (NeMo RL generation config)",
         "Rollouts are sampled with these. A flag given wins over --generation-config.",
     )
-    gen.add_argument(
-        "--generation-config",
-        type=Path,
-        metavar="FILE",
-        help="NeMo RL's generation section (YAML or JSON; the section itself, "
-        "{generation: ...} or a whole config with policy.generation): sampling, stop "
-        "tokens and strings, ignore_eos, bad_words, and vllm_cfg engine settings",
-    )
-    gen.add_argument("--temperature", type=float, help=f"default: {defaults.temperature}")
-    gen.add_argument("--top-p", type=float, help=f"default: {defaults.top_p}")
-    gen.add_argument("--top-k", type=int, help=f"-1 disables (default: {defaults.top_k})")
-    gen.add_argument("--max-new-tokens", type=int, help=f"default: {defaults.max_new_tokens}")
-    gen.add_argument(
-        "--stop-token-ids",
-        type=_int_list,
-        help="comma-separated; default: the model's EOS ids",
-    )
+    add_fields(gen, Command, only=("generation_config",))
+    add_fields(gen, GenerationDefaults, overrides=True)
 
     if backend is not None:
         try:
@@ -179,15 +155,9 @@ def generation_defaults(
 ) -> GenerationDefaults:
     """Built-in defaults, then the generation config, then the flags given."""
     base = generation.defaults() if generation is not None else GenerationDefaults()
-    flags = {
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "max_new_tokens": args.max_new_tokens,
-        "stop_token_ids": args.stop_token_ids,
-    }
+    given = from_args(args, GenerationDefaults, overrides=True)
     try:
-        return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+        return dataclasses.replace(base, **given)
     except ValueError as e:
         raise SystemExit(f"generation defaults: {e}") from None
 
@@ -199,30 +169,20 @@ def config_from_args(
     not given)."""
     if generation is None:
         generation = read_generation_config(args)
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            raise SystemExit("--tls-cert and --tls-key go together")
-        tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
-    elif args.tls_client_ca:
-        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
     if args.stream_write_timeout_s < 0:
         raise SystemExit("--stream-write-timeout-s must be >= 0 (0 disables the watchdog)")
     try:
-        return _server_config(args, generation, tls)
+        return _server_config(args, generation)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
 
-def _server_config(
-    args: argparse.Namespace, generation: GenerationConfig | None, tls: TlsConfig | None
-) -> ServerConfig:
+def _server_config(args: argparse.Namespace, generation: GenerationConfig | None) -> ServerConfig:
     return ServerConfig(
         **from_args(args, ServerConfig),
-        tls=tls,
+        tls=TlsConfig.from_flags(**from_args(args, TlsConfig)),
         defaults=generation_defaults(args, generation),
         limits=Limits(**from_args(args, Limits)),
-        metrics_port=args.metrics_port,
         refit=RefitConfig(**from_args(args, RefitConfig, prefix="refit-")),
     )
 
@@ -230,7 +190,7 @@ def _server_config(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--backend", choices=sorted(BACKENDS), default="sim")
+    add_fields(pre, Command, only=("backend",))
     known, _ = pre.parse_known_args(argv)
     return build_parser(known.backend).parse_args(argv)
 

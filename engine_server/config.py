@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_contract.flags import flag
 from engine_server.addresses import parse_listen_address
+from launch.config_flags import flag
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers, as a flag's value."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def port(text: str) -> int:
+    """A TCP port number, as a flag's value."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is out of range 0..65535")
+    return number
 
 
 @dataclass(frozen=True)
@@ -19,11 +41,18 @@ class GenerationDefaults:
     with the rollout's own; ``bad_words`` only on engines that support them.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 512
-    stop_token_ids: tuple[int, ...] = ()
+    # Fields with flag(...) metadata are command-line flags (engine_server.cli)
+    # that override NeMo RL's generation config, when given.
+    temperature: float = field(default=1.0, metadata=flag("sampling temperature"))
+    top_p: float = field(
+        default=1.0, metadata=flag("top-p (nucleus) sampling: the probability mass sampled from")
+    )
+    top_k: int = field(default=-1, metadata=flag("-1 disables"))
+    max_new_tokens: int = field(default=512, metadata=flag("tokens a rollout generates at most"))
+    stop_token_ids: tuple[int, ...] = field(
+        default=(),
+        metadata=flag("comma-separated; default: the model's EOS ids", type=int_list),
+    )
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     bad_words: tuple[str, ...] = ()
@@ -87,9 +116,32 @@ class Limits:
 class TlsConfig:
     """Server certificate, and client CAs when clients must present certificates."""
 
-    cert_file: Path
-    key_file: Path
-    client_ca_file: Path | None = None
+    # Flags --tls-cert, --tls-key, --tls-client-ca (engine_server.cli).
+    cert_file: Path = field(
+        metadata=flag("server certificate (PEM); enables TLS", name="--tls-cert")
+    )
+    key_file: Path = field(metadata=flag("server private key (PEM)", name="--tls-key"))
+    client_ca_file: Path | None = field(
+        default=None,
+        metadata=flag(
+            "CA bundle (PEM); clients must then present a certificate it signed",
+            name="--tls-client-ca",
+        ),
+    )
+
+    @classmethod
+    def from_flags(
+        cls, cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None
+    ) -> TlsConfig | None:
+        """The TLS its flags ask for (None: plaintext); ValueError for a set that
+        does not go together."""
+        if cert_file or key_file:
+            if not (cert_file and key_file):
+                raise ValueError("--tls-cert and --tls-key go together")
+            return cls(cert_file, key_file, client_ca_file)
+        if client_ca_file:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
 
 
 @dataclass(frozen=True)
@@ -204,7 +256,16 @@ class ServerConfig:
     # Prometheus metrics at http://HOST:PORT/metrics (0: any free port; None: off),
     # HOST being the gRPC listener's (loopback for a unix socket), so that metrics
     # are reachable from elsewhere only where the contract is (allow_remote).
-    metrics_port: int | None = None
+    metrics_port: int | None = field(
+        default=None,
+        metadata=flag(
+            "serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --listen's "
+            "(loopback for a unix socket: remote only where --allow-remote let --listen be); "
+            "0 picks a free port (default: off)",
+            type=port,
+            metavar="PORT",
+        ),
+    )
     refit: RefitConfig = field(default_factory=RefitConfig)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """The serving core: what a request means, whatever carries it.
 
-``ServerCore`` owns the request registry, the KV-event hub and the engine's
-serving state, and answers the contract's operations (server info, rollout,
+``ServerCore`` owns the request registry, the KV-event hub, the engine's
+serving state and its refit cycle (``refit``: the rules and state; ``updates``:
+the ways new weights arrive), and answers the contract's operations (server info, rollout,
 generate, abort, prefix-cache reset, load) in contract messages. It knows no
 transport: the gRPC servicer decodes a call, calls the core and encodes its
 answer or error; the ``Rollouts`` stream and the benchmark's one-process worker
@@ -42,6 +43,7 @@ from engine_server.errors import (
 from engine_server.kv_events import KvEventHub
 from engine_server.refit_control import RefitControl
 from engine_server.registry import AbortOutcome, ActiveRequest, RequestRegistry
+from engine_server.weight_updates import WeightUpdates
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,11 @@ class ServerCore:
         self.refit = RefitControl(
             backend,
             self.registry,
-            idle_timeout_s=config.stream_write_timeout_s,
             config=config.refit,
             on_weights_change=self._end_guarded,
         )
+        # The ways new weights arrive, each under the refit control's rules.
+        self.updates = WeightUpdates(self.refit, backend, config.refit)
         self._serving: Serving | None = None
         self.draining = False
         self.engine_dead: str | None = None

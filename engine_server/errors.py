@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from engine_contract.refit_rules import UpdateRefusal
+from engine_contract.text import clip
 
 
 class ServerError(Exception):
@@ -13,13 +14,6 @@ class ServerError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     # The admission limit that refused the request (CapacityExceeded only).
     limit: str = ""
-
-
-def clip(value: object, most: int = 80) -> str:
-    """A client's value as a message may quote it: repr, cut to ``most`` characters.
-    Status messages travel in trailers of bounded size; never echo input whole."""
-    text = repr(value)
-    return text if len(text) <= most else f"{text[: most - 12]}... ({len(text)} chars)"
 
 
 class InvalidRequest(ServerError):
@@ -178,6 +172,20 @@ class RefitTimedOut(ServerError):
     the same call may succeed later."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class TransferUnavailable(ServerError):
+    """The weight-transfer peer (a trainer's group) cannot be reached, or an earlier
+    transfer step is still stuck in the engine: nothing was loaded, the old weights
+    still serve; retryable once the trainer (or the stuck step) is back."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class UpdateAbandoned(TransferUnavailable):
+    """A weight-transfer update ended before its finish (its trainer went away, a
+    round failed) and was rolled back: the old weights serve, no update is in
+    progress; the trainer inits its group again and starts over."""
 
 
 class WeightsPathDenied(ServerError):

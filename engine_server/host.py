@@ -6,14 +6,17 @@ engine serves through Dynamo:
 
 - the engine server runs on the host's loop, on a unix socket in a private
   directory (or where ``config.listen`` says);
-- a bridge (``python -m bridge``) runs as a child process with ``engine_env``
-  in its environment, supervised: its log lines reach the host's logging
-  (logger ``engine_server.host.bridge``, levels kept), and a bridge that dies
-  is restarted with backoff and jitter, the restarts counted;
+- a bridge (``python -m bridge``, its command line written from
+  ``launch.bridge_command.BridgeLaunch``) runs as a child process with
+  ``engine_env`` in its environment, supervised (``launch.supervisor``): its
+  log lines reach the host's logging (logger ``engine_server.host.bridge``,
+  levels kept), and a bridge that dies is restarted with backoff and jitter,
+  the restarts counted;
 - the host's SIGTERM handler keeps working (chained, never replaced): on
   SIGTERM the bridge is told to leave at once, then the host's handler runs;
-- when the host dies, even by SIGKILL, the bridge follows (parent-death signal
-  and a watcher), so the model leaves Dynamo's discovery within seconds;
+- when the host dies, even by SIGKILL, the bridge follows (the parent-death
+  signal it arms itself, and a watcher: ``launch.parent_death``), so the model
+  leaves Dynamo's discovery within seconds;
 - ``stop()`` stops the bridge, then drains the engine server; the host's engine
   keeps running.
 
@@ -29,16 +32,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
-import re
 import shutil
 import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -46,168 +45,15 @@ from typing import Any
 from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
 from engine_server.server import EngineServerHandle, serve
+from launch.bridge_command import BridgeLaunch, bridge_argv
+from launch.parent_death import with_parent_pid
+from launch.supervisor import ChildProcess, IntoLogging, RestartPolicy
 
 log = logging.getLogger(__name__)
 bridge_log = logging.getLogger("engine_server.host.bridge")
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# The longest bridge log line forwarded whole.
-_LINE_LIMIT = 1 << 20
-_LEVEL = re.compile(r"\b(TRACE|DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL)\b")
-_LEVELS = {
-    "TRACE": logging.DEBUG,
-    "DEBUG": logging.DEBUG,
-    "INFO": logging.INFO,
-    "WARN": logging.WARNING,
-    "WARNING": logging.WARNING,
-    "ERROR": logging.ERROR,
-    "CRITICAL": logging.CRITICAL,
-}
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How a dead bridge is restarted: the pause before restart n is
-    ``min(max_s, initial_s * 2**(n-1))`` times a random factor in [1-jitter,
-    1+jitter]; a bridge that ran ``reset_after_s`` counts as healthy again."""
-
-    initial_s: float = 0.5
-    max_s: float = 30.0
-    jitter: float = 0.2
-    reset_after_s: float = 60.0
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.max_s, self.initial_s * 2 ** max(0, attempt - 1))
-        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
-
-
-def _level(line: str) -> int:
-    match = _LEVEL.search(line[:80])
-    return _LEVELS[match.group(1)] if match else logging.INFO
-
-
-class BridgeSupervisor:
-    """Runs ``python -m bridge`` until ``stop()``, restarting it when it dies."""
-
-    def __init__(
-        self,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        restart: RestartPolicy,
-        grace_s: float = 30.0,
-    ) -> None:
-        self.argv = list(argv)
-        self.env = dict(env)
-        self.restart = restart
-        self.grace_s = grace_s
-        self.restarts = 0
-        self.process: asyncio.subprocess.Process | None = None
-        self._stopping = False
-        self._task: asyncio.Task[None] | None = None
-        self._started = asyncio.Event()
-
-    @property
-    def pid(self) -> int | None:
-        process = self.process
-        return process.pid if process is not None and process.returncode is None else None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="bridge-supervisor")
-
-    async def wait_started(self) -> None:
-        """Until the first bridge process runs; raises what prevented it."""
-        assert self._task is not None
-        started = asyncio.ensure_future(self._started.wait())
-        await asyncio.wait({started, self._task}, return_when=asyncio.FIRST_COMPLETED)
-        started.cancel()
-        if not self._started.is_set():
-            self._task.result()  # raises the spawn's failure
-            raise RuntimeError("the bridge supervisor ended before the bridge started")
-
-    async def _run(self) -> None:
-        failures = 0
-        while not self._stopping:
-            started = time.monotonic()
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *self.argv,
-                    env=self.env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,  # the host's terminal signals are the host's
-                    limit=_LINE_LIMIT,
-                )
-            except OSError as e:
-                if not self._started.is_set():
-                    raise  # the first start: the caller hears it
-                failures += 1
-                pause = self.restart.delay(failures)
-                log.error("starting the bridge failed (%s); trying again in %.1fs", e, pause)
-                await asyncio.sleep(pause)
-                continue
-            self.process = process
-            self._started.set()
-            log.info("bridge started (pid %d)", process.pid)
-            await self._forward(process)
-            code = await process.wait()
-            if self._stopping:
-                log.info("bridge (pid %d) stopped with %s", process.pid, code)
-                return
-            failures = (
-                1 if time.monotonic() - started >= self.restart.reset_after_s else failures + 1
-            )
-            self.restarts += 1
-            pause = self.restart.delay(failures)
-            log.error(
-                "bridge (pid %d) exited with %s; restart %d in %.1fs",
-                process.pid,
-                code,
-                self.restarts,
-                pause,
-            )
-            await asyncio.sleep(pause)
-
-    async def _forward(self, process: asyncio.subprocess.Process) -> None:
-        """The bridge's output, line by line, into the host's logging."""
-        assert process.stdout is not None
-        prefix = f"[bridge {process.pid}] "
-        while True:
-            try:
-                line = await process.stdout.readline()
-            except ValueError:  # over the limit: asyncio dropped it
-                bridge_log.warning("%s(a line of over %d bytes, dropped)", prefix, _LINE_LIMIT)
-                continue
-            if not line:
-                return
-            text = _ANSI.sub("", line.decode(errors="replace")).rstrip()
-            if text:
-                bridge_log.log(_level(text), "%s%s", prefix, text)
-
-    def terminate(self) -> None:
-        """SIGTERM the bridge now (signal-handler safe): it leaves discovery."""
-        self._stopping = True
-        pid = self.pid
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-    async def stop(self) -> None:
-        self.terminate()
-        process = self.process
-        if process is not None and process.returncode is None:
-            try:
-                await asyncio.wait_for(process.wait(), self.grace_s)
-            except TimeoutError:
-                log.error(
-                    "bridge (pid %d) did not stop in %.0fs: killing it", process.pid, self.grace_s
-                )
-                process.kill()
-                await process.wait()
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+# How long a stopped bridge may take to leave (its requests end) before it is killed.
+BRIDGE_STOP_TIMEOUT_S = 30.0
 
 
 class DynamoEndpoint:
@@ -217,7 +63,7 @@ class DynamoEndpoint:
     def __init__(
         self,
         server: EngineServerHandle | None = None,
-        bridge: BridgeSupervisor | None = None,
+        bridge: ChildProcess | None = None,
         private_dir: Path | None = None,
         reason: str = "",
     ) -> None:
@@ -261,7 +107,7 @@ class DynamoEndpoint:
 
     async def _stop(self, grace_period_s: float | None) -> None:
         if self.bridge is not None:
-            await self.bridge.stop()
+            await self.bridge.stop(BRIDGE_STOP_TIMEOUT_S)
         if self.server is not None:
             await self.server.stop(grace_period_s)
         if self._private_dir is not None:
@@ -352,24 +198,22 @@ async def start_dynamo_endpoint(
         raise
     info = server.core.info
     name = served_model_name or (info.model_name if info is not None else None)
-    argv = [
-        sys.executable,
-        "-m",
+    launch = BridgeLaunch(
+        engine_address=server.address,
+        model_path=os.fspath(model_path),
+        served_model_name=name or None,
+        namespace=namespace,
+        exit_after_engine_gone_s=exit_after_engine_gone_s or None,
+    )
+    bridge = ChildProcess(
         "bridge",
-        "--engine",
-        server.address,
-        "--model-path",
-        os.fspath(model_path),
-        "--namespace",
-        namespace,
-        "--exit-after-engine-gone-s",
-        f"{exit_after_engine_gone_s:g}",
-    ]
-    if name:
-        argv += ["--served-model-name", name]
-    argv += list(bridge_args)
-    env = {**os.environ, **(engine_env or {}), "BRIDGE_PARENT_PID": str(os.getpid())}
-    bridge = BridgeSupervisor(argv, env, restart or RestartPolicy())
+        bridge_argv(sys.executable, launch, bridge_args),
+        # The host has threads: the bridge arms its parent-death signal itself.
+        with_parent_pid({**os.environ, **(engine_env or {})}),
+        output=IntoLogging(bridge_log),
+        restart=restart,
+        logger=log,
+    )
     endpoint = DynamoEndpoint(server, bridge, private_dir)
     bridge.start()
     try:

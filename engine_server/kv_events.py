@@ -24,6 +24,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from engine_contract.text import clip
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server import metrics
 from engine_server.backends.base import (
@@ -32,7 +33,7 @@ from engine_server.backends.base import (
     BlockStored,
     KvEventBatch,
 )
-from engine_server.errors import KvPositionUnavailable, clip
+from engine_server.errors import KvPositionUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ How it ends, whatever ends it:
   handle gone, SIGTERM to the worker): Ray stops the actor's loop, then calls
   ``__ray_shutdown__``, which tells the bridge to leave and waits for it.
 - ``ray.kill`` (the worker process ends at once): the bridge follows its dead
-  parent (``bridge.parent``: SIGTERM, Dynamo's orderly exit) and leaves discovery.
+  parent (``launch.parent_death``: SIGTERM, Dynamo's orderly exit) and leaves discovery.
 
 By default Ray SIGKILLs a worker's direct children as the worker exits, before
 any hook of ours runs (``RAY_kill_child_processes_on_worker_exit``): a bridge

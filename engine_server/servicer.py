@@ -23,6 +23,7 @@ from engine_server.core import ServerCore
 from engine_server.errors import CapacityExceeded, StreamStalled
 from engine_server.generate_stream import GenerateStream
 from engine_server.metrics import ABORT_WATCHDOG, engine_series
+from engine_server.refit_requests import json_object, update_from_tensors
 from engine_server.rollout_stream import RolloutStream
 from engine_server.status import rpc
 from engine_server.tagged_stream import TaggedStream
@@ -178,7 +179,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # On the loop, as the metrics endpoint: a few milliseconds for vLLM's families.
         return pb.GetEngineMetricsResponse(text=engine_series())
 
-    # -- the refit cycle (RefitControl holds its rules) -------------------------
+    # -- the refit cycle (RefitControl holds its rules; WeightUpdates its ways in) --
 
     @rpc
     async def PauseGeneration(
@@ -206,7 +207,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.UpdateWeightsFromPathRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsFromPathResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        return await self._core.refit.update_from_path(request)
+        return await self._core.updates.update_from_path(request)
 
     @rpc
     async def UpdateWeightsFromTensors(
@@ -215,15 +216,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> pb.UpdateWeightsFromTensorsResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        return await self._core.refit.update_from_tensors(request_iterator)
+        return await update_from_tensors(self._core, request_iterator)
 
     @rpc
     async def InitWeightTransferEngine(
         self, request: pb.InitWeightTransferEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitWeightTransferEngineResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
+        info = json_object("init_info_json", request.init_info_json)
         timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
-        await self._core.refit.init_weight_transfer(request.init_info_json, timeout_s or None)
+        await self._core.updates.init_weight_transfer(info, timeout_s or None)
         return pb.InitWeightTransferEngineResponse()
 
     @rpc
@@ -231,7 +233,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartWeightUpdateResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        await self._core.refit.start_weight_update(request.options)
+        await self._core.updates.start_weight_update(request.options)
         return pb.StartWeightUpdateResponse()
 
     @rpc
@@ -239,7 +241,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        await self._core.refit.update_weights(request.update_info_json)
+        info = json_object("update_info_json", request.update_info_json, arrays=True)
+        await self._core.updates.update_weights(info)
         return pb.UpdateWeightsResponse()
 
     @rpc
@@ -247,14 +250,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.FinishWeightUpdateResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        return await self._core.refit.finish_weight_update(request)
+        return await self._core.updates.finish_weight_update(request)
 
     @rpc
     async def ShutdownWeightTransferEngine(
         self, request: pb.ShutdownWeightTransferEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShutdownWeightTransferEngineResponse:
         self._core.serving()  # UNAVAILABLE until the engine is up
-        await self._core.refit.shutdown_weight_transfer()
+        await self._core.updates.shutdown_weight_transfer()
         return pb.ShutdownWeightTransferEngineResponse()
 
     @rpc

@@ -22,7 +22,8 @@ from typing import TypeVar
 import grpc
 
 from engine_contract.retry import LIMIT_TRAILER
-from engine_server.errors import ServerError, clip
+from engine_contract.text import clip
+from engine_server.errors import ServerError
 from engine_server.handlers import Undecodable
 from engine_server.metrics import ABORT_CLIENT_CANCEL, RpcCounter
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 
+from engine_contract.text import clip
 from engine_contract.trace import trace_context
-from engine_server.errors import clip
 
 log = logging.getLogger("engine_server.requests")
 

@@ -31,7 +31,6 @@ that a no-op in the engine's process, so updates over ``gloo`` complete there
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -141,20 +140,26 @@ def mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
 
 
 def stateless_gloo_group(
-    host: str, port: int, rank: int, world_size: int, timeout: timedelta
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    connected: Callable[[], object] | None = None,
 ) -> Any:
     """A gloo group outside torch.distributed's default one, whose rendezvous and
-    collectives time out after ``timeout``. 0.32's helper takes the timeout;
-    0.23's reads it from the current vLLM config (none in a trainer, or on the
-    worker's RPC thread), so there the same steps run through its parts."""
-    from vllm.distributed import utils
-
-    helper = utils.stateless_init_torch_distributed_process_group
-    if "timeout" in inspect.signature(helper).parameters:
-        return helper(host, port, rank, world_size, backend="gloo", timeout=timeout)
+    collectives time out after ``timeout``: the steps of vLLM's
+    ``stateless_init_torch_distributed_process_group``, run here on every vLLM
+    (0.32's takes the timeout, 0.23's reads it from the current vLLM config: none
+    in a trainer, or on the worker's RPC thread). ``connected`` is called once the
+    TCP store is joined (rank 0: every rank connected to it), before the gloo
+    group forms: ``weight_transfer_gloo`` bounds the two steps apart."""
     from torch.distributed import PrefixStore, rendezvous
+    from vllm.distributed import utils
 
     init_method = utils.get_tcp_uri(host, port)
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    if connected is not None:
+        connected()
     return utils.init_gloo_process_group(PrefixStore(init_method, store), rank, world_size, timeout)

@@ -18,30 +18,26 @@ CI, and across hosts without NCCL:
   checks) with rank 0 opened on gloo. Imports only torch and vLLM, so a trainer
   can use it without the engine server's dependencies.
 
-Chunks are vLLM's (``packed_tensor.pack_tensors``): both sides
-cut them by running ``pack_tensors`` over meta tensors (the worker's built from
-the update info), so they agree by construction. Within a chunk, what travels is
-cut finer (``runs``): a tensor of ``COALESCE_BYTES`` or more is broadcast alone,
-straight from the trainer's memory (no packing copy) into a buffer of its own;
-smaller neighbours share one packed broadcast. The worker hands tensors to the
-model's ``load_weights`` every ``LOAD_BYTES`` (and at each chunk's end) while the
-next runs arrive, so loading overlaps the transfer and a 1 GB chunk never needs
-1 GB of buffers; ``packed_num_buffers`` x ``LOAD_BYTES`` are in flight (gloo
-broadcasts are asynchronous). ``packed: false`` makes each tensor its own chunk.
-As for NCCL, each tensor is a view of its received bytes, so a tensor packed
-after others must start at a byte offset its element size divides (a model of
-one dtype always does).
+This module is the engines; their parts are ``engine_server.gloo``: how tensors
+travel (``packing``: vLLM's chunks, cut finer into broadcasts, a window ahead),
+the bounded rendezvous (``rendezvous``), an update rolled back (``rollback``) and
+what the engine server and a worker tell each other (``protocol``).
 
 Init info keys (worker side; the trainer's ``GlooTrainerInitInfo`` takes NCCL's
 ``master_address``, ``master_port``, ``world_size``, keyword ``rank`` and packing
 options, and sends the worker's): ``master_address``, ``master_port``,
 ``rank_offset``, ``world_size``, ``packed``, ``packed_buffer_size_bytes``,
-``packed_num_buffers`` and ``timeout_s`` (default 30). ``timeout_s`` bounds the
-rendezvous, so a trainer that never connects fails the worker's init instead of
-hanging it (torch's TCP store retries once: expect the error within about twice
-``timeout_s``), and each broadcast after it. Update info: NCCL's ``names``,
-``dtype_names``, ``shapes``, and optionally the packing options per round
-(``"packed": true``, as trainers written for older vLLM send them).
+``packed_num_buffers`` and ``timeout_s`` (default 30), which bounds the
+rendezvous and each broadcast after it, whatever the peer does. Update info:
+NCCL's ``names``, ``dtype_names``, ``shapes``, and optionally the packing options
+per round (``"packed": true``, as trainers written for older vLLM send them).
+
+An update that ends before its finish (its trainer killed mid-broadcast, a round
+past ``timeout_s``, an update info refused, or ``ABANDON_KEY``: the engine server
+ending an update whose trainer went away between rounds) is rolled back and the
+old weights serve bit for bit; the trainer's group is shut down. The engine
+server reads which of these failures happened from the error's text
+(``protocol.transfer_failure``): vLLM passes a worker's error on as text only.
 
 Registered under ``gloo`` in both of vLLM's factories by the engine server's vLLM
 plugin (``engine_server.vllm_plugin.register_gloo_weight_transfer``), which vLLM
@@ -51,13 +47,12 @@ Select it with ``--weight-transfer-config '{"backend": "gloo"}'``.
 
 from __future__ import annotations
 
-import sys
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, ClassVar
+from types import SimpleNamespace
+from typing import Any, ClassVar, NoReturn
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
@@ -68,239 +63,25 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 from vllm.distributed.weight_transfer.packed_tensor import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
-    PackedChunk,
-    pack_tensors,
 )
 
-from engine_server.vllm_compat import (
-    HAS_TRAINER_ENGINES,
-    mtp_check_disabled,
-    stateless_gloo_group,
+from engine_server.gloo.packing import (
+    SRC,
+    buffer_bytes,
+    chunk_layout,
+    receive_packed,
+    send_packed,
 )
-
-BACKEND = "gloo"
-DEFAULT_TIMEOUT_S = 30.0
-SRC = 0  # the trainer's sender, as for NCCL
-
-Group = Any  # torch.distributed.ProcessGroup (torch is not type-checked here)
-
-
-def open_group(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> Group:
-    """A gloo group outside torch.distributed's default one (the engine's worker has
-    its own). Rank 0 hosts the TCP store; every other rank fails after about
-    ``timeout_s`` (at most about twice that, with the store's retry) when rank 0
-    never comes."""
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    return stateless_gloo_group(host, port, rank, world_size, timedelta(seconds=timeout_s))
-
-
-def _wire_tensor(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-    # Gloo sends host memory; a trainer's GPU tensors are copied out first.
-    return item[1].detach().cpu()
-
-
-def _as_is(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-    return item[1]
-
-
-def _cut(
-    pairs: Iterator[tuple[str, torch.Tensor]],
-    buffer_size_bytes: int | None,
-    prepare: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
-) -> Iterator[PackedChunk]:
-    """``pack_tensors`` chunks; ``None``: one tensor per chunk (unpacked)."""
-
-    def flat(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-        # 1-d for vLLM 0.23's pack_tensors, which views the tensor as bytes first
-        # (a 0-d float16 cannot be); the chunk keeps the original shape.
-        return prepare(item).reshape(-1)
-
-    if buffer_size_bytes is None:
-        for pair in pairs:
-            yield pack_tensors(iter([pair]), flat, sys.maxsize)
-        return
-    while (chunk := pack_tensors(pairs, flat, buffer_size_bytes)) is not None:
-        yield chunk
-
-
-def chunk_layout(
-    metadata: Iterable[tuple[str, str, list[int]]], buffer_size_bytes: int | None
-) -> Iterator[PackedChunk]:
-    """The chunks ``send_packed`` cuts, from (name, dtype name, shape) alone:
-    ``pack_tensors`` run over meta tensors (no memory), so the worker splits the
-    stream exactly where the trainer does. Each chunk's ``packed_tensor`` is a meta
-    tensor of the chunk's size."""
-    placeholders = (
-        (name, torch.empty(shape, dtype=getattr(torch, dtype_name), device="meta"))
-        for name, dtype_name, shape in metadata
-    )
-    return _cut(placeholders, buffer_size_bytes, _as_is)
-
-
-# Tensors smaller than this share a broadcast with their neighbours in the chunk
-# (copied into one buffer, up to this size); larger ones travel alone, from and
-# into their own memory.
-COALESCE_BYTES = 1 << 20
-# The worker hands received tensors to ``load`` once this many bytes are waiting
-# (and at each chunk's end), so that loading overlaps the transfer.
-LOAD_BYTES = 16 << 20
-
-
-def runs(sizes: Sequence[int]) -> Iterator[range]:
-    """A chunk's tensors (byte sizes, in order) as the runs that share one
-    broadcast: consecutive tensors under ``COALESCE_BYTES``, up to that size
-    together; each larger tensor alone."""
-    start, total = 0, 0
-    for i, size in enumerate(sizes):
-        alone = size >= COALESCE_BYTES
-        if i > start and (alone or total + size > COALESCE_BYTES):
-            yield range(start, i)
-            start, total = i, 0
-        total += size
-        if alone:
-            yield range(i, i + 1)
-            start, total = i + 1, 0
-    if start < len(sizes):
-        yield range(start, len(sizes))
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
-
-
-def _send_buffers(
-    pairs: Iterator[tuple[str, torch.Tensor]], buffer_size_bytes: int | None
-) -> Iterator[torch.Tensor]:
-    """What the trainer broadcasts, in order: per chunk, per run, a tensor's own
-    bytes (no copy) or a run's small tensors packed together."""
-    held: list[torch.Tensor] = []
-
-    def hold(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-        tensor = _wire_tensor(item)
-        held.append(tensor)
-        return torch.empty_like(tensor, device="meta")  # pack_tensors then copies nothing
-
-    for chunk in _cut(pairs, buffer_size_bytes, hold):
-        tensors, held = held, []
-        for run in runs(chunk.tensor_sizes):
-            if len(run) == 1:
-                yield _flat(tensors[run.start])
-            else:
-                yield torch.cat([_flat(tensors[i]) for i in run])
-
-
-def _window(num_buffers: int) -> int:
-    """Bytes in flight at most (at least one broadcast): ``num_buffers`` loads' worth."""
-    return max(num_buffers, 1) * LOAD_BYTES
-
-
-def send_packed(
-    group: Group,
-    pairs: Iterator[tuple[str, torch.Tensor]],
-    buffer_size_bytes: int | None,
-    num_buffers: int,
-) -> int:
-    """Broadcast ``pairs`` from rank 0, chunked as ``chunk_layout`` says and each
-    chunk as ``runs`` says, ``num_buffers`` x ``LOAD_BYTES`` in flight; returns
-    the bytes sent."""
-    in_flight: deque[tuple[Any, torch.Tensor]] = deque()
-    in_flight_bytes = sent = 0
-    for buffer in _send_buffers(pairs, buffer_size_bytes):
-        if not buffer.numel():
-            continue
-        while in_flight and in_flight_bytes + buffer.numel() > _window(num_buffers):
-            work, done = in_flight.popleft()
-            work.wait()
-            in_flight_bytes -= done.numel()
-        in_flight.append((group.broadcast(buffer, SRC), buffer))
-        in_flight_bytes += buffer.numel()
-        sent += buffer.numel()
-    for work, _ in in_flight:
-        work.wait()
-    return sent
-
-
-@dataclass
-class _Arrival:
-    """One run the worker is receiving: its buffer, its broadcast, its tensors."""
-
-    chunk: PackedChunk
-    run: range
-    buffer: torch.Tensor
-    work: Any  # None: nothing to receive (tensors of no bytes)
-
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        c, r = self.chunk, slice(self.run.start, self.run.stop)
-        parts = self.buffer.split(c.tensor_sizes[r])
-        # Views of the buffer, as vLLM's unpack_tensor gives (whose 0.23 form
-        # cannot shape a 0-d tensor).
-        return [
-            (name, part.view(dtype).view(shape))
-            for name, shape, dtype, part in zip(
-                c.names[r], c.shapes[r], c.dtypes[r], parts, strict=True
-            )
-        ]
-
-
-def receive_packed(
-    group: Group,
-    layout: Iterable[PackedChunk],
-    load: Callable[[list[tuple[str, torch.Tensor]]], Any],
-    num_buffers: int,
-) -> int:
-    """Receive the chunks of ``layout`` (from ``chunk_layout``) run by run, as
-    ``send_packed`` sends them, ``num_buffers`` x ``LOAD_BYTES`` posted ahead;
-    hand the tensors to ``load`` each ``LOAD_BYTES`` and at each chunk's end,
-    while the following runs arrive. Returns the bytes.
-
-    Every run gets a fresh buffer: the tensors given to ``load`` are views of it,
-    and vLLM's layerwise reload may keep them until the update finishes."""
-    planned = (
-        (chunk, run, sum(chunk.tensor_sizes[i] for i in run))
-        for chunk in layout
-        for run in runs(chunk.tensor_sizes)
-    )
-    following = next(planned, None)
-    pending: deque[_Arrival] = deque()
-    posted = 0  # bytes of the pending receives
-
-    def post_ahead() -> None:
-        nonlocal following, posted
-        while following is not None and (
-            not pending or posted + following[2] <= _window(num_buffers)
-        ):
-            chunk, run, nbytes = following
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-            work = group.broadcast(buffer, SRC) if nbytes else None
-            pending.append(_Arrival(chunk, run, buffer, work))
-            posted += nbytes
-            following = next(planned, None)
-
-    post_ahead()
-    received = ready_bytes = 0
-    ready: list[tuple[str, torch.Tensor]] = []
-    while pending:
-        arrival = pending.popleft()
-        if arrival.work is not None:
-            arrival.work.wait()
-        posted -= arrival.buffer.numel()
-        post_ahead()  # before loading: the next runs travel meanwhile
-        ready += arrival.tensors()
-        ready_bytes += arrival.buffer.numel()
-        chunk_done = arrival.run.stop == len(arrival.chunk.names)
-        if chunk_done or ready_bytes >= LOAD_BYTES:
-            load(ready)
-            received += ready_bytes
-            ready, ready_bytes = [], 0
-    return received
-
-
-def _buffer_bytes(packed: bool, packed_buffer_size_bytes: int) -> int | None:
-    return packed_buffer_size_bytes if packed else None
-
+from engine_server.gloo.protocol import (
+    ABANDON_KEY,
+    BACKEND,
+    UpdateLeftPartWay,
+    UpdateRolledBack,
+    first_line,
+)
+from engine_server.gloo.rendezvous import DEFAULT_TIMEOUT_S, Group, open_group
+from engine_server.gloo.rollback import ReloadSnapshot, roll_back
+from engine_server.vllm_compat import HAS_TRAINER_ENGINES, mtp_check_disabled
 
 # -- the inference worker's side ----------------------------------------------
 
@@ -358,6 +139,9 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: Group | None = None
+        # The update in progress as it started, taken at its first round: what
+        # rolling it back restores (``_abandon``).
+        self._snapshot: ReloadSnapshot | None = None
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         rank = worker_rank(self.parallel_config, init_info.rank_offset)
@@ -377,11 +161,34 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
             init_info.timeout_s,
         )
 
+    def start_weight_update(self) -> None:
+        """vLLM 0.32's entry (0.23's worker starts the layerwise reload itself)."""
+        self._snapshot = None
+        super().start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        """vLLM 0.32's entry (0.23's worker finishes the reload itself; a snapshot
+        left from it is found stale at the next update)."""
+        self._snapshot = None
+        super().finish_weight_update()
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM 0.32's entry (0.23's worker calls ``receive_weights`` itself)."""
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():  # loads went to the device
             torch.accelerator.synchronize()  # (the CPU build has none: it would raise)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> GlooWeightTransferUpdateInfo:
+        """One round's info; ``ABANDON_KEY`` ends the update instead. Either way an
+        error here ends the worker's update (vLLM's worker resets it on any error
+        of ``update_weights``), so the update is rolled back first."""
+        if ABANDON_KEY in update_dict:
+            self._abandon(f"the engine server abandoned it ({update_dict[ABANDON_KEY]})")
+        try:
+            info: GlooWeightTransferUpdateInfo = super().parse_update_info(update_dict)
+        except Exception as e:
+            self._abandon(f"its update info was refused ({first_line(e)})")
+        return info
 
     def receive_weights(
         self,
@@ -389,9 +196,55 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
     ) -> None:
         """``load_weights``: the loader vLLM 0.23's worker hands in; 0.32 leaves it
-        to the engine (the model's own)."""
+        to the engine (the model's own). A round that fails (its trainer gone, a
+        broadcast past ``timeout_s``, tensors the model refuses) ends the update,
+        rolled back: the weights it found serve again."""
+        try:
+            self._receive(update_info, load_weights)
+        except Exception as e:
+            self._abandon(f"receiving it failed ({first_line(e)})")
+
+    def _abandon(self, why: str) -> NoReturn:
+        """End the update in progress with the weights it found: the trainer's group
+        shut down (its collectives are out of step now), the layerwise reload
+        rolled back (``UpdateRolledBack``), or, where that cannot be done, the
+        weights unknown (``UpdateLeftPartWay``)."""
+        with contextlib.suppress(Exception):
+            self.shutdown()
+        snapshot, self._snapshot = self._snapshot, None
+        try:
+            restored = roll_back(self.model, snapshot, self._finalize_config())
+        except Exception as e:
+            raise UpdateLeftPartWay(
+                f"{why}; rolling it back failed ({first_line(e)}): the weights are unknown"
+            ) from e
+        if not restored:
+            raise UpdateLeftPartWay(
+                f"{why}; what it had loaded could not be rolled back: the weights are unknown"
+            )
+        raise UpdateRolledBack(
+            f"{why}; it was rolled back, the old weights serve; the trainer's group was "
+            "shut down: init it again"
+        )
+
+    def _finalize_config(self) -> Any:
+        """What vLLM's ``finalize_layerwise_reload`` reads of the model config (its
+        dtype): 0.32's engine has it, 0.23's is given the model's own dtype."""
+        config = getattr(self, "model_config", None)
+        if config is not None:
+            return config
+        dtypes = (p.dtype for p in self.model.parameters() if p.is_floating_point())
+        return SimpleNamespace(dtype=next(dtypes, torch.get_default_dtype()))
+
+    def _receive(
+        self,
+        update_info: GlooWeightTransferUpdateInfo,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None,
+    ) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialized: call init first")
+        if self._snapshot is None or not self._snapshot.current():
+            self._snapshot = ReloadSnapshot.take(self.model)  # before anything loads
         load = self.model.load_weights if load_weights is None else load_weights
 
         def this_round(value: Any, default: Any) -> Any:
@@ -400,7 +253,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         packed = this_round(update_info.packed, self.packed)
         layout = chunk_layout(
             zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True),
-            _buffer_bytes(
+            buffer_bytes(
                 packed,
                 this_round(update_info.packed_buffer_size_bytes, self.packed_buffer_size_bytes),
             ),
@@ -444,7 +297,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         send_packed(
             args["group"],
             pairs,
-            _buffer_bytes(
+            buffer_bytes(
                 bool(args.get("packed", False)),
                 int(args.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)),
             ),
@@ -543,7 +396,7 @@ if HAS_TRAINER_ENGINES:
             send_packed(
                 self.group,
                 self._checked_iter(source, meta),
-                _buffer_bytes(self.packed, self.packed_buffer_size_bytes),
+                buffer_bytes(self.packed, self.packed_buffer_size_bytes),
                 self.packed_num_buffers,
             )
 

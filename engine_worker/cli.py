@@ -3,7 +3,7 @@
 A drop-in for ``python -m dynamo.vllm`` as NeMo RL launches it: the same flags
 and environment, served by an engine server and a bridge in two supervised
 child processes (see the package docs, ``engine_worker.split`` for where each
-argument goes and ``engine_worker.supervisor`` for restarts and signals).
+argument goes and ``launch.supervisor`` for restarts and signals).
 
 Each side may run on its own Python (``--engine-python``/``--bridge-python``, or
 ``ENGINE_WORKER_ENGINE_PYTHON``/``ENGINE_WORKER_BRIDGE_PYTHON``): the engine's vLLM
@@ -12,7 +12,8 @@ and Dynamo then live in separate environments, each with this project installed.
 Exit status: 0 after SIGTERM or SIGINT, at any point (start-up included: the
 flag listings and the model folder are given up, their children killed); 2 for
 a command line refused at start (an argument neither side accepts, named) or a
-child that refused its arguments on its first run.
+child that refused its arguments on its first run; 1 for a child that could not
+be started at all.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from typing import TypeVar, cast
 from engine_worker.flags import MARKER, Arity, describe
 from engine_worker.private_dir import PrivateDir
 from engine_worker.split import Split, UsageError, split_args
-from engine_worker.supervisor import (
+from launch.bridge_command import BridgeLaunch, bridge_argv
+from launch.parent_death import death_signal_setter, with_parent_pid
+from launch.supervisor import (
     USAGE_ERROR,
-    Backoff,
-    Child,
-    death_signal_setter,
+    ChildProcess,
+    PassThrough,
+    RestartPolicy,
     stop_in_order,
 )
 
@@ -46,8 +49,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("engine_worker")
 
-# The parent-death watch of ``bridge.parent`` (a poll besides the kernel's signal).
-BRIDGE_PARENT_ENV = "BRIDGE_PARENT_PID"
 # Dynamo's settings are the bridge's business: the engine server never sees them.
 ENGINE_ENV_DROPPED_PREFIXES = ("DYN_",)
 # Files the bridge (and Dynamo's frontend) read from the model folder.
@@ -126,7 +127,9 @@ def engine_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def bridge_env(environ: Mapping[str, str]) -> dict[str, str]:
-    return {**environ, BRIDGE_PARENT_ENV: str(os.getpid())}
+    """The bridge also watches for the launcher gone itself (a poll besides the
+    kernel's signal)."""
+    return with_parent_pid(environ)
 
 
 async def known_flags(
@@ -261,23 +264,23 @@ async def plan(
     address = f"unix:{private.socket}"
     engine_argv = [args.engine_python, "-m", "engine_server"]
     engine_argv += ["--backend", args.backend, "--listen", address]
-    bridge_argv = [args.bridge_python, "-m", "bridge", "--engine", address]
-    bridge_argv += ["--model-path", model_dir]
+    launch = BridgeLaunch(engine_address=address, model_path=model_dir)
     return args, Plan(
         engine_argv=[*engine_argv, *split.engine],
         engine_env=e_env,
-        bridge_argv=[*bridge_argv, *split.bridge],
+        bridge_argv=bridge_argv(args.bridge_python, launch, split.bridge),
         bridge_env=b_env,
         private=private,
     )
 
 
 async def supervise(
-    p: Plan, stop_timeout_s: float, stop: asyncio.Event, backoff: Backoff | None = None
+    p: Plan, stop_timeout_s: float, stop: asyncio.Event, restart: RestartPolicy | None = None
 ) -> int:
-    """Run both children until ``stop`` (0) or a fatal refusal (2); then stop the
-    bridge first (it leaves discovery and ends its requests, which need the engine
-    server), then the engine server."""
+    """Run both children until ``stop`` (0) or one that restarting cannot help (2:
+    it refused its arguments; 1: it cannot be started); then stop the bridge first
+    (it leaves discovery and ends its requests, which need the engine server),
+    then the engine server."""
     if stop.is_set():
         return 0
     code = 0
@@ -287,9 +290,20 @@ async def supervise(
         code = exit_code
         stop.set()
 
-    backoff = backoff or Backoff()
-    engine = Child("engine-server", p.engine_argv, p.engine_env, backoff, fatal)
-    bridge = Child("bridge", p.bridge_argv, p.bridge_env, backoff, fatal)
+    def child(name: str, argv: Sequence[str], env: Mapping[str, str]) -> ChildProcess:
+        return ChildProcess(
+            name,
+            argv,
+            env,
+            output=PassThrough(),
+            restart=restart,
+            arm_death_signal=True,  # no other thread runs by now (the download is done)
+            on_fatal=fatal,
+            logger=log,
+        )
+
+    engine = child("engine-server", p.engine_argv, p.engine_env)
+    bridge = child("bridge", p.bridge_argv, p.bridge_env)
     engine.start()
     bridge.start()
     try:

@@ -14,6 +14,7 @@ imports nothing, so ``harness.procs`` costs no gRPC import):
 - ``stack``       engine servers, bridges and a frontend started together for one test
 - ``cluster``     real etcd and NATS servers for Dynamo's cluster mode
 - ``nemo_rl``     NeMo RL's managed runtime: its worker command line and environment, its rollouts
+- ``skyrl``       SkyRL's released client from ``.skyrl/`` (``make skyrl-deps``), imported on 3.11
 """
 
 from __future__ import annotations

@@ -135,6 +135,24 @@ def idle(load: pb.GetLoadResponse) -> bool:
     )
 
 
+def refit_state(
+    version: str = "default",
+    declared: bool = False,
+    *,
+    paused: bool = False,
+    sleeping: bool = False,
+) -> pb.RefitState:
+    """The refit state an engine server reports (in its info and its load), for
+    fakes and the rules judged on it: serving ``version``, ``declared`` when a
+    refit set it (else the start checkpoint's label), paused or asleep."""
+    return pb.RefitState(
+        weight_version=version,
+        weight_version_declared=declared,
+        paused=paused,
+        sleeping=sleeping,
+    )
+
+
 def load(address: str) -> pb.GetLoadResponse:
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.EngineServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
@@ -180,6 +198,13 @@ async def wait_load_async(
 
 
 # -- rollouts --------------------------------------------------------------------
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    """``n`` prompt tokens, the same for a ``seed`` wherever they are asked for (in
+    the tiny model's vocabulary, clear of its special tokens), so that a test
+    compares its paths on equal prompts without storing any."""
+    return [(seed * 131 + i * 17) % 1000 + 3 for i in range(n)]
 
 
 def greedy_rollout(

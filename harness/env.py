@@ -62,6 +62,12 @@ def frontend_maps_worker_errors() -> bool:
     return dynamo_version() >= (1, 6)
 
 
+def token_in_token_out_env() -> dict[str, str]:
+    """A frontend serving vLLM's ``POST /inference/v1/generate`` (off by default in
+    Dynamo 1.6.1, absent from 1.3.0.post1, which ignores the variable)."""
+    return {"DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE": "1"}
+
+
 def blocking_env(*packages: str) -> dict[str, str]:
     """A Python that fails to import ``packages`` (and their submodules): the
     dependency rule, enforced at runtime."""

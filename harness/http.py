@@ -1,5 +1,5 @@
 """Dynamo's frontend over HTTP: JSON calls (stdlib), a raw SSE stream a client
-drops, and requests under load (aiohttp) whose every ending is an ``Outcome``."""
+drops, and requests under load (aiohttp) whose every ending is an ``HttpOutcome``."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def open_sse_stream(
 
 
 @dataclass
-class Outcome:
+class HttpOutcome:
     """How one HTTP request ended: status (0: no answer), when it ended (monotonic),
     the parsed body, the error text, and an SSE error event's code."""
 
@@ -114,7 +114,7 @@ class Outcome:
 
 async def post(
     session: aiohttp.ClientSession, url: str, body: Any, timeout: float = 60.0
-) -> Outcome:
+) -> HttpOutcome:
     """POST ``body``; never raises for what the server or the network did."""
     try:
         async with session.post(
@@ -125,9 +125,9 @@ async def post(
                 parsed: Any = json.loads(text)
             except ValueError:
                 parsed = text
-            return Outcome(resp.status, time.monotonic(), parsed)
+            return HttpOutcome(resp.status, time.monotonic(), parsed)
     except (TimeoutError, aiohttp.ClientError) as e:
-        return Outcome(0, time.monotonic(), error=f"{type(e).__name__}: {e}")
+        return HttpOutcome(0, time.monotonic(), error=f"{type(e).__name__}: {e}")
 
 
 async def post_rollout(
@@ -138,7 +138,7 @@ async def post_rollout(
     max_tokens: int,
     timeout: float = 60.0,
     **kwargs: Any,
-) -> Outcome:
+) -> HttpOutcome:
     """A rollout (greedy unless told otherwise) as the driver encodes it."""
     kwargs.setdefault("greedy", True)
     body = driver.build_rollout_body(model, tokens, max_tokens=max_tokens, **kwargs)
@@ -158,7 +158,7 @@ def stream_body(model: str, tokens: Sequence[int], max_tokens: int) -> dict[str,
 
 async def post_stream(
     session: aiohttp.ClientSession, url: str, body: Any, timeout: float = 60.0
-) -> Outcome:
+) -> HttpOutcome:
     """POST a streamed completion and read it to its end; an SSE error event's code
     is kept (the HTTP status is 200 by then)."""
     code: int | None = None
@@ -167,7 +167,7 @@ async def post_stream(
             url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             if resp.status != 200:
-                return Outcome(resp.status, time.monotonic(), await resp.text())
+                return HttpOutcome(resp.status, time.monotonic(), await resp.text())
             async for raw in resp.content:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -175,8 +175,8 @@ async def post_stream(
                 event = json.loads(line[5:])
                 if "error" in event:
                     code = int(event["error"].get("code") or 500)
-            return Outcome(resp.status, time.monotonic(), stream_error_code=code)
+            return HttpOutcome(resp.status, time.monotonic(), stream_error_code=code)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
-        return Outcome(
+        return HttpOutcome(
             0, time.monotonic(), error=f"{type(e).__name__}: {e}", stream_error_code=code
         )

@@ -12,7 +12,7 @@ on loopback, with file discovery under one folder.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,11 +174,14 @@ class Stack:
             addresses.append(address)
         return addresses
 
-    def start_frontend(self, *args: str, port: int | None = None) -> Proc:
-        """A Dynamo frontend (``frontend-N``, the Nth started); its URL is ``base_url``."""
+    def start_frontend(
+        self, *args: str, port: int | None = None, env: Mapping[str, str] | None = None
+    ) -> Proc:
+        """A Dynamo frontend (``frontend-N``, the Nth started); its URL is ``base_url``.
+        ``env``: more environment variables (``DYN_*``), for the frontend alone."""
         started = len(self.group.with_role(Role.FRONTEND))
         self.frontend, self.base_url = self.group.frontend(
-            f"frontend-{started}", self.env, *args, port=port
+            f"frontend-{started}", {**self.env, **(env or {})}, *args, port=port
         )
         return self.frontend
 

@@ -24,10 +24,11 @@ still holds what its writer read, so two writers never restore or overwrite
 each other's commit. Writers take the fleet's lease first
 (``rl_client.fleet_lease``, the same store).
 
-Reading never blocks or crashes, whatever the store holds: the record is at most
-``MAX_RECORD_BYTES``, a regular file opened without blocking, and anything else (a
-FIFO, a folder, bad or hostile JSON) is a ValueError naming what is wrong, so a
-catching-up bridge logs it and a trainer given ``committed=`` writes over it.
+Reading never blocks or crashes, whatever the store holds (``committed_strict``):
+the record is at most ``MAX_RECORD_BYTES``, a regular file opened without
+blocking, and anything else (a FIFO, a folder, bad or hostile JSON) is a
+ValueError naming what is wrong, so a catching-up bridge logs it and a trainer
+given ``committed=`` writes over it.
 
 No Dynamo import: trainers install only the ``driver`` extra, and the bridge
 reads the record with the same code.
@@ -35,15 +36,9 @@ reads the record with the same code.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import itertools
 import json
-import math
 import os
-import re
-import stat
 import tempfile
 import threading
 import time
@@ -58,6 +53,7 @@ from typing import Any, Protocol
 from engine_contract.labels import label_problem
 from engine_contract.tensors import Tensor
 from rl_client import etcd_gateway
+from rl_client.committed_strict import brief, check_size, decode_base64, parse, read_capped
 from rl_client.fleet_lease import EtcdFleetLease, FileFleetLease, FleetLease
 
 # Where the record lives in the store (Dynamo's buckets are v1/<name>).
@@ -65,16 +61,6 @@ BUCKET = "v1/rl_weights"
 SCHEMA = 1
 CHECKPOINT = "checkpoint"
 PUSHED = "pushed"
-# A record is a few hundred bytes (64 KiB names about 2,000 workers): anything larger
-# is not one, and is refused before it is read whole.
-MAX_RECORD_BYTES = 64 * 1024
-# A record nests two deep; a deeper one is refused before the parser recurses.
-MAX_NESTING = 16
-# Strings (an unclosed one runs to the end: one pass, never a rescan) and brackets.
-_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"?|[][{}]', re.DOTALL)
-# The longest base64 text of a record within the cap.
-_MAX_BASE64 = 4 * -(-MAX_RECORD_BYTES // 3)
-_DEPTH = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 
 @dataclass(frozen=True)
@@ -138,7 +124,7 @@ class CommittedRecord:
             sort_keys=True,
             allow_nan=False,
         ).encode()
-        _check_size(len(raw))
+        check_size(len(raw))
         return raw
 
     @classmethod
@@ -146,13 +132,13 @@ class CommittedRecord:
         """The record, or ValueError naming what is wrong (a newer schema included:
         a reader must not guess at fields it does not know). Only ValueError, so a
         hostile record cannot crash its reader or block a writer replacing it."""
-        value = _parse(raw)
+        value = parse(raw)
         if not isinstance(value, dict):
             raise ValueError("the committed-weights record is not a JSON object")
         schema = value.get("schema")
         if type(schema) is not int or schema != SCHEMA:
             raise ValueError(
-                f"the committed-weights record has schema {_brief(schema)}; "
+                f"the committed-weights record has schema {brief(schema)}; "
                 f"this reader knows {SCHEMA}"
             )
         version, kind, path = value.get("version"), value.get("source"), value.get("path")
@@ -165,7 +151,7 @@ class CommittedRecord:
             source = PushedSource()
         else:
             raise ValueError(
-                f"the committed-weights record has source {_brief(kind)}, path {_brief(path)}"
+                f"the committed-weights record has source {brief(kind)}, path {brief(path)}"
             )
         workers = value.get("workers", [])
         when = value.get("committed_unix_s", 0.0)
@@ -173,7 +159,7 @@ class CommittedRecord:
             raise ValueError("the committed-weights record's workers are not a list of names")
         if type(when) not in (int, float) or not 0 <= when < 1e12:
             raise ValueError(
-                f"the committed-weights record's committed_unix_s is {_brief(when)}, "
+                f"the committed-weights record's committed_unix_s is {brief(when)}, "
                 "not seconds since the epoch"
             )
         return cls(CommittedWeights(version, source), tuple(workers), float(when))
@@ -181,123 +167,6 @@ class CommittedRecord:
     @classmethod
     def now(cls, weights: CommittedWeights, workers: Sequence[str]) -> CommittedRecord:
         return cls(weights, tuple(workers), time.time())
-
-
-class _OutOfRange(ValueError):
-    """A number no record holds (told apart from JSON that does not parse)."""
-
-
-def _brief(value: object) -> str:
-    """``value`` for an error message: a hostile record is not repeated whole."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge int"
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def _check_size(size: int) -> None:
-    if size > MAX_RECORD_BYTES:
-        raise ValueError(
-            f"the committed-weights record is {size} bytes, more than the cap of "
-            f"{MAX_RECORD_BYTES}: it is not one"
-        )
-
-
-def _finite(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise _OutOfRange(f"the number {text[:40]} is out of range")
-    return number
-
-
-def _small_int(text: str) -> int:
-    if len(text.lstrip("-")) > 30:  # no field holds more; int() of 4,300+ digits raises
-        raise _OutOfRange(f"an integer of {len(text)} digits is out of range")
-    return int(text)
-
-
-def _no_constant(name: str) -> float:
-    raise _OutOfRange(f"{name} is not a number a record holds")
-
-
-def _parse(raw: bytes) -> object:
-    """``raw`` as JSON, checked before the parser sees it (size, nesting: it recurses)
-    and as it goes (no NaN, infinity or huge numbers); ValueError otherwise."""
-    _check_size(len(raw))
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"the committed-weights record is not UTF-8: {e}") from e
-    steps = (_DEPTH.get(token[0], 0) for token in _TOKENS.findall(raw))
-    depth = max(itertools.accumulate(steps), default=0)
-    if depth > MAX_NESTING:
-        raise ValueError(
-            f"the committed-weights record is nested {depth} deep, more than {MAX_NESTING}"
-        )
-    try:
-        return json.loads(
-            text, parse_float=_finite, parse_int=_small_int, parse_constant=_no_constant
-        )
-    except _OutOfRange as e:
-        raise ValueError(f"the committed-weights record holds {e}") from None
-    except RecursionError:  # unreachable past the nesting check; kept a ValueError
-        raise ValueError("the committed-weights record is nested too deep") from None
-    except ValueError as e:
-        raise ValueError(f"the committed-weights record is not JSON: {e}") from None
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return f"a file of mode {stat.filemode(mode)}"
-
-
-def _read_capped(path: Path) -> bytes | None:
-    """The file at ``path`` (None: none there), at most one byte over the cap. Only
-    a regular file: a FIFO would block the reader (its thread, and so its process's
-    exit) and a device may never end. Checked on the path, so no device is opened,
-    and on the opened descriptor, so nothing swapped in between is read."""
-    try:
-        before = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise ValueError(f"the committed-weights record {path} cannot be read: {e}") from e
-    if not stat.S_ISREG(before.st_mode):
-        raise ValueError(
-            f"the committed-weights record {path} is {_kind(before.st_mode)}, not a file"
-        )
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise ValueError(f"the committed-weights record {path} cannot be read: {e}") from e
-    try:
-        opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode):
-            raise ValueError(
-                f"the committed-weights record {path} is {_kind(opened.st_mode)}, not a file"
-            )
-        _check_size(opened.st_size)
-        chunks: list[bytes] = []
-        left = MAX_RECORD_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    except OSError as e:
-        raise ValueError(f"the committed-weights record {path} cannot be read: {e}") from e
-    finally:
-        os.close(fd)
 
 
 class Unread:
@@ -339,7 +208,7 @@ class CommittedStore(Protocol):
 
 def _changed(expected: bytes | None, found: bytes | None) -> RecordChanged:
     def what(raw: bytes | None) -> str:
-        return "no record" if raw is None else _brief(raw.decode(errors="replace"))
+        return "no record" if raw is None else brief(raw.decode(errors="replace"))
 
     return RecordChanged(
         f"the committed-weights record changed since it was read (expected {what(expected)}, "
@@ -371,11 +240,11 @@ class FileCommittedStore:
         self.path = root / BUCKET / urllib.parse.quote(key, safe="")
 
     def read(self) -> CommittedRecord | None:
-        raw = _read_capped(self.path)
+        raw = read_capped(self.path)
         return None if raw is None else CommittedRecord.from_json(raw)
 
     def read_raw(self) -> bytes | None:
-        return _read_capped(self.path)
+        return read_capped(self.path)
 
     def lease(self) -> FleetLease:
         return FileFleetLease(self.path.with_name(f"{self.path.name}.lease"))
@@ -385,7 +254,7 @@ class FileCommittedStore:
         # against every writer that takes the fleet's lease first (they all do).
         if not isinstance(expected, Unread):
             try:
-                found = _read_capped(self.path)
+                found = read_capped(self.path)
             except ValueError as e:  # not what the writer read, which it could read
                 raise RecordChanged(f"{e}; it was readable when read: not written") from e
             if found != expected:
@@ -477,25 +346,16 @@ class EtcdCommittedStore:
     def read_raw(self) -> bytes | None:
         answer: object = self._call("kv/range", {"key": etcd_gateway.b64(self.key)})
         if not isinstance(answer, dict):
-            raise ValueError(f"etcd's answer is not a JSON object: {_brief(answer)}")
+            raise ValueError(f"etcd's answer is not a JSON object: {brief(answer)}")
         kvs = answer.get("kvs") or []
         if not isinstance(kvs, list) or not all(isinstance(kv, dict) for kv in kvs):
-            raise ValueError(f"etcd's answer has kvs {_brief(kvs)}, not a list of objects")
+            raise ValueError(f"etcd's answer has kvs {brief(kvs)}, not a list of objects")
         if not kvs:
             return None
         value = kvs[0].get("value", "")
         if not isinstance(value, str):
-            raise ValueError(f"etcd's answer has value {_brief(value)}, not base64 text")
-        if len(value) > _MAX_BASE64:  # refused before it is decoded
-            raise ValueError(
-                f"the committed-weights record in etcd is about {len(value) * 3 // 4} bytes, "
-                f"more than the cap of {MAX_RECORD_BYTES}: it is not one"
-            )
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except binascii.Error as e:
-            raise ValueError(f"the committed-weights record in etcd is not base64: {e}") from e
-        return raw
+            raise ValueError(f"etcd's answer has value {brief(value)}, not base64 text")
+        return decode_base64(value, "etcd")
 
     def publish(self, record: CommittedRecord) -> None:
         value = etcd_gateway.b64(record.to_json())

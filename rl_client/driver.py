@@ -2,9 +2,10 @@
 
 Needs only aiohttp (no Dynamo, no torch): it runs in the RL driver. The request
 is an ordinary ``POST /v1/completions`` with the prompt as token ids, the
-``rollout:{...}`` annotation and ``nvext.extra_fields: ["engine_data"]``; the
-result is rebuilt from ``nvext.engine_data`` alone, never from the choice's
-text or logprobs (which the frontend may post-process).
+``rollout:{...}`` annotation (``rl_client.annotation``) and
+``nvext.extra_fields: ["engine_data"]``; the result is rebuilt from
+``nvext.engine_data`` alone, never from the choice's text or logprobs (which the
+frontend may post-process).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from rl_client import wire
+from rl_client.annotation import rollout_annotation
 from rl_client.wire import WeightVersionRefusal, WireError
 
 __all__ = [
@@ -34,7 +36,6 @@ __all__ = [
     "WireError",
     "build_rollout_body",
     "parse_rollout_response",
-    "rollout_annotation",
 ]
 
 log = logging.getLogger(__name__)
@@ -200,26 +201,6 @@ class RolloutResult:
                 "cached_prompt_tokens": 0,
             },
         )
-
-
-def rollout_annotation(
-    *,
-    greedy: bool = False,
-    stop_strings: Sequence[str] = (),
-    request_id: str | None = None,
-    text: bool = False,
-    weight_version: str | None = None,
-) -> str:
-    spec: dict[str, Any] = {"greedy": greedy}
-    if stop_strings:
-        spec["stop_strings"] = list(stop_strings)
-    if request_id is not None:
-        spec["request_id"] = request_id
-    if text:
-        spec["text"] = True
-    if weight_version is not None:
-        spec["weight_version"] = weight_version
-    return "rollout:" + json.dumps(spec, separators=(",", ":"))
 
 
 def build_rollout_body(

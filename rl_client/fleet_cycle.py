@@ -9,8 +9,8 @@ Otherwise every worker that was sent the weights goes back to the fleet's
 committed ones (the checkpoint reloaded, or the trainer's previous tensors sent
 again) under its old version, and resumes; one that cannot go back is taken out
 of the router's pool (asleep: health NOT_SERVING, which its bridge follows)
-rather than serve a third version. ``RefitError`` carries the report: each
-worker's outcome, its timings, and why.
+rather than serve a third version. ``RefitError`` carries the report
+(``rl_client.refit_report``): each worker's outcome, its timings, and why.
 
 One writer at a time, and every pause undone. With a ``store``, a refit holds
 the fleet's lease (``rl_client.fleet_lease``) from before its first call to
@@ -26,7 +26,7 @@ store's committed version is never taken out of the pool.
 
 Here once, so that both ways in (``rl_client.refit``: ``RefitClient`` over the
 RL routes, ``EngineRefitClient`` over the contract) follow the same rules: each
-is a ``_Cycle`` that says how to pause, load, label, resume, probe and sleep one
+is a ``FleetCycle`` that says how to pause, load, label, resume, probe and sleep one
 worker. No Dynamo import here: trainers install only the ``driver`` extra.
 """
 
@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -53,175 +52,19 @@ from rl_client.committed import (
     WeightSource,
 )
 from rl_client.fleet_lease import Leased, default_owner, holding
+from rl_client.refit_report import (
+    Deadlines,
+    Outcome,
+    RefitError,
+    RefitReport,
+    WorkerHealth,
+    WorkerRefit,
+)
 
-__all__ = [
-    "Deadlines",
-    "Health",
-    "Outcome",
-    "RefitError",
-    "RefitReport",
-    "WorkerRefit",
-]
-
-
-class Outcome(enum.Enum):
-    """Where a worker ended after a fleet refit."""
-
-    UPDATED = "updated"
-    ROLLED_BACK = "rolled back"
-    # Never sent the new weights: the refit stopped at the pause.
-    UNCHANGED = "unchanged"
-    # Could not be brought back, nor taken out of the pool: paused, serving nothing.
-    ROLLBACK_FAILED = "failed to roll back"
-    # Could not be brought back; out of the router's pool (asleep, or its engine
-    # server not serving or not answering, which its bridge follows).
-    REMOVED = "removed"
-    # Could not be brought back, but serves the store's committed version (another
-    # writer's): left serving, never taken out.
-    ON_COMMITTED = "serving the committed version"
+__all__ = ["FleetCycle", "RollbackTarget", "Unanswered", "error_text"]
 
 
-class Health(enum.Enum):
-    """A worker's engine as its bridge sees it: anything but SERVING takes the worker
-    out of the router's pool (``bridge/engine_watch.py``)."""
-
-    SERVING = "serving"
-    NOT_SERVING = "not serving"
-    UNREACHABLE = "unreachable"
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """How long one worker may take per step, in seconds (None: no limit).
-
-    Past it the call is cancelled and the worker counts as failed. Its engine may
-    still finish the step (an engine server never stops a load half way), which
-    is why such a worker is sent the rollback too: the engine server runs it
-    after, under its refit lock. A pause gets two minutes (a WAIT pause lasts
-    until the rollouts in flight end; a worker that does not stop by then fails
-    the refit and every other worker resumes); a load has no limit by default (a
-    large checkpoint loads for its time), a rollback half an hour (the engine
-    server's own refit deadline); labelling, resuming, health and sleep get
-    ``control_s``. ``lease_s``: the fleet lease's time to live, renewed every
-    third of it while the refit runs (a trainer that dies frees the fleet then)."""
-
-    pause_s: float | None = 120.0
-    update_s: float | None = None
-    rollback_s: float | None = 1800.0
-    control_s: float | None = 30.0
-    lease_s: float = 30.0
-
-
-_STAGES = ("pause", "update", "label", "rollback", "resume")
-
-
-@dataclass
-class WorkerRefit:
-    """What one worker did in one fleet refit."""
-
-    worker: str
-    outcome: Outcome = Outcome.UNCHANGED
-    # The version it serves after the step (None: removed, or not known).
-    version: str | None = None
-    pause_s: float = 0.0
-    update_s: float = 0.0
-    label_s: float = 0.0
-    rollback_s: float = 0.0  # the rollback, and taking the worker out when it failed
-    resume_s: float = 0.0
-    resumed: bool = False
-    # Its first failure and where: "pause", "update", "label" or "resume".
-    error: str | None = None
-    stage: str = ""
-    # Why it could not be brought back to the committed weights.
-    rollback_error: str | None = None
-    # The engine's count of weight changes this refit expects next (the fence;
-    # None: not known, read again before a rollback, or an engine without one).
-    changes: int | None = None
-    # Whether a pause, or weights, were sent (what an interrupted refit undoes).
-    paused: bool = False
-    sent: bool = False
-    # Whether another writer changed its weights after this refit did (a fenced
-    # rollback refused): what it serves is theirs, not this refit's.
-    overtaken: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.rollback_error is None
-
-    def _failed(self, stage: str, message: str) -> None:
-        if stage == "rollback":
-            self.rollback_error = message
-        elif self.error is None:
-            self.error, self.stage = message, stage
-
-    def describe(self) -> str:
-        took = ", ".join(
-            f"{stage} {getattr(self, f'{stage}_s'):.3f} s"
-            for stage in _STAGES
-            if getattr(self, f"{stage}_s")
-        )
-        line = (
-            f"{self.worker}: {self.outcome.value}, serving {self.version!r} ({took or 'no call'})"
-        )
-        if self.error is not None:
-            line += f"; {self.stage} failed: {self.error}"
-        if self.rollback_error is not None:
-            line += f"; rollback failed: {self.rollback_error}"
-        return line
-
-
-@dataclass
-class RefitReport:
-    """One fleet refit: ``committed`` when every worker took ``version``; otherwise
-    every worker went back to ``previous`` (or out of the pool, says its outcome)."""
-
-    version: str
-    workers: list[WorkerRefit] = field(default_factory=list)
-    seconds: float = 0.0
-    previous: str | None = None
-    committed: bool = False
-    # Why the record could not be written to the store (the refit then failed).
-    publish_error: str | None = None
-    # Why the refit stopped part way (cancelled, timed out, raised); its pauses
-    # and loads were undone before it ended.
-    interrupted: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.committed and all(w.resumed for w in self.workers)
-
-    @property
-    def failed(self) -> list[WorkerRefit]:
-        return [w for w in self.workers if not w.ok]
-
-    def outcomes(self) -> dict[str, Outcome]:
-        return {w.worker: w.outcome for w in self.workers}
-
-    def describe(self) -> str:
-        return "\n".join(f"  {w.describe()}" for w in self.workers)
-
-
-class RefitError(RuntimeError):
-    """The refit did not commit on every worker (or some did not resume after it
-    committed); ``report`` has every worker's outcome, timings and error."""
-
-    def __init__(self, report: RefitReport) -> None:
-        n, total = len(report.failed), len(report.workers)
-        if report.committed:
-            head = f"refit to {report.version!r} committed, but {n} of {total} workers failed"
-        else:
-            head = (
-                f"refit to {report.version!r} failed, so no worker serves it (back on "
-                f"{report.previous!r}); {n} of {total} workers failed"
-            )
-        why = [f"{w.worker} ({w.stage}): {w.error}" for w in report.workers if w.error]
-        if report.publish_error is not None:
-            why.append(f"publishing the committed version: {report.publish_error}")
-        super().__init__(f"{head}: {'; '.join(why)}\n{report.describe()}")
-        self.report = report
-
-
-class _Unanswered(Exception):
+class Unanswered(Exception):
     """Some workers did not say what they serve before the refit (nothing was sent)."""
 
     def __init__(self, errors: dict[str, str]) -> None:
@@ -230,14 +73,15 @@ class _Unanswered(Exception):
 
 
 @dataclass(frozen=True)
-class _Previous:
+class RollbackTarget:
     """What one worker goes back to when the refit fails."""
 
     version: str
     source: WeightSource
 
 
-def _why(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
+    """An error as a report names it: a gRPC error's code and details, else its text."""
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name}: {e.details()}"
     return str(e) or type(e).__name__
@@ -260,11 +104,13 @@ async def _each(
                 await step(entry)
         except TimeoutError as e:
             if timer.expired():
-                entry._failed(stage, f"did not answer within its {stage} deadline of {limit:g} s")
+                entry.note_failure(
+                    stage, f"did not answer within its {stage} deadline of {limit:g} s"
+                )
             else:
-                entry._failed(stage, _why(e))
+                entry.note_failure(stage, error_text(e))
         except Exception as e:
-            entry._failed(stage, _why(e))
+            entry.note_failure(stage, error_text(e))
         finally:
             elapsed = time.monotonic() - started
             setattr(entry, f"{stage}_s", getattr(entry, f"{stage}_s") + elapsed)
@@ -272,7 +118,7 @@ async def _each(
     await asyncio.gather(*(guarded(e) for e in entries))
 
 
-class _Cycle(ABC):
+class FleetCycle(ABC):
     """The fleet refit's choreography, whatever carries the calls."""
 
     def __init__(
@@ -322,7 +168,7 @@ class _Cycle(ABC):
         """The version label the worker serves now."""
 
     @abstractmethod
-    async def _health(self, worker: str) -> Health: ...
+    async def _health(self, worker: str) -> WorkerHealth: ...
 
     @abstractmethod
     async def _sleep(self, worker: str) -> None:
@@ -333,14 +179,14 @@ class _Cycle(ABC):
         """Whether this transport can load ``source``'s weights."""
 
     @abstractmethod
-    async def _start_state(self) -> dict[str, _Previous]:
+    async def _start_state(self) -> dict[str, RollbackTarget]:
         """What each worker was started on, when no refit is known to have
-        changed it; ValueError when that cannot be known, ``_Unanswered`` naming
+        changed it; ValueError when that cannot be known, ``Unanswered`` naming
         the workers that did not say."""
 
     # -- the cycle --------------------------------------------------------------
 
-    async def _plan(self) -> dict[str, _Previous]:
+    async def _plan(self) -> dict[str, RollbackTarget]:
         """What each worker goes back to if the refit fails, known before any call:
         the fleet's committed weights (this client's last refit, ``committed=``,
         or the store's record), else what the workers were started on."""
@@ -357,7 +203,7 @@ class _Cycle(ABC):
                 "committed= with weights it can load (a CheckpointSource, or PushedSource "
                 "with the tensors)"
             )
-        return {w: _Previous(committed.version, committed.source) for w in self._fleet()}
+        return {w: RollbackTarget(committed.version, committed.source) for w in self._fleet()}
 
     @contextlib.asynccontextmanager
     async def _leased(self) -> AsyncIterator[Leased]:
@@ -379,11 +225,11 @@ class _Cycle(ABC):
             started = time.monotonic()
             try:
                 plan = await self._plan()
-            except _Unanswered as e:  # stopped before the pause: nothing changed
+            except Unanswered as e:  # stopped before the pause: nothing changed
                 report = RefitReport(version, [WorkerRefit(w) for w in self._fleet()])
                 for entry in report.workers:
                     if entry.worker in e.errors:
-                        entry._failed("pause", e.errors[entry.worker])
+                        entry.note_failure("pause", e.errors[entry.worker])
                 report.seconds = time.monotonic() - started
                 self.last_report = report
                 raise RefitError(report) from None
@@ -399,7 +245,7 @@ class _Cycle(ABC):
                 await self._resume_staying(report)
             except BaseException as e:
                 report.interrupted = (
-                    "cancelled" if isinstance(e, asyncio.CancelledError) else _why(e)
+                    "cancelled" if isinstance(e, asyncio.CancelledError) else error_text(e)
                 )
                 await self._undo_shielded(report, plan)
                 raise
@@ -420,7 +266,7 @@ class _Cycle(ABC):
 
         await _each(staying, "resume", self.deadlines.control_s, resume)
 
-    async def _undo_shielded(self, report: RefitReport, plan: dict[str, _Previous]) -> None:
+    async def _undo_shielded(self, report: RefitReport, plan: dict[str, RollbackTarget]) -> None:
         """Undo an interrupted refit to its end, even when cancelled again meanwhile
         (it then goes on without the caller)."""
         undo = asyncio.ensure_future(self._undo(report, plan))
@@ -431,7 +277,7 @@ class _Cycle(ABC):
         except Exception:
             pass  # written into the report; the interruption is what is raised
 
-    async def _undo(self, report: RefitReport, plan: dict[str, _Previous]) -> None:
+    async def _undo(self, report: RefitReport, plan: dict[str, RollbackTarget]) -> None:
         """After a cancellation or an error: every worker that was sent weights back
         to the committed ones (unless the refit committed), and every worker that
         was paused resumed."""
@@ -448,7 +294,7 @@ class _Cycle(ABC):
         self,
         report: RefitReport,
         source: WeightSource,
-        plan: dict[str, _Previous],
+        plan: dict[str, RollbackTarget],
         mode: str,
         clear_cache: bool,
         held: Leased,
@@ -504,23 +350,23 @@ class _Cycle(ABC):
         except ValueError:
             before = UNREAD  # an unreadable record: replaced, or removed on failure
         except Exception as e:
-            report.publish_error = f"reading the record before writing it: {_why(e)}"
+            report.publish_error = f"reading the record before writing it: {error_text(e)}"
             return False
         new = CommittedRecord.now(weights, self._fleet()).to_json()
         try:
             await asyncio.to_thread(store.swap, before, new)
             return True
         except Exception as e:
-            report.publish_error = _why(e)
+            report.publish_error = error_text(e)
         try:  # it may have been written all the same: put back what was there
             restore = None if isinstance(before, Unread) else before
             await asyncio.to_thread(store.swap, new, restore)
         except Exception as e:
-            report.publish_error += f"; restoring the previous record: {_why(e)}"
+            report.publish_error += f"; restoring the previous record: {error_text(e)}"
         return False
 
     async def _roll_back(
-        self, entries: list[WorkerRefit], plan: dict[str, _Previous], *, relabel: bool
+        self, entries: list[WorkerRefit], plan: dict[str, RollbackTarget], *, relabel: bool
     ) -> None:
         """Every worker back to the committed weights under its old version, fenced
         on the count of changes this refit made; one that cannot go back leaves
@@ -537,7 +383,7 @@ class _Cycle(ABC):
                     expect, entry.changes = entry.changes, None
                     entry.changes = await self._label(entry.worker, previous.version, expect)
             except Exception as e:
-                entry.overtaken = STALE_WRITER in _why(e)
+                entry.overtaken = STALE_WRITER in error_text(e)
                 raise
 
         await _each(entries, "rollback", self.deadlines.rollback_s, back)
@@ -572,8 +418,8 @@ class _Cycle(ABC):
             async with asyncio.timeout(limit):
                 health = await self._health(entry.worker)
         except Exception:
-            health = Health.UNREACHABLE
-        if health is Health.SERVING and committed is not None and entry.overtaken:
+            health = WorkerHealth.UNREACHABLE
+        if health is WorkerHealth.SERVING and committed is not None and entry.overtaken:
             try:
                 async with asyncio.timeout(limit):
                     serving = await self._serving(entry.worker)
@@ -587,21 +433,21 @@ class _Cycle(ABC):
                     f"version {committed!r}"
                 )
                 return
-        if health is Health.SERVING:
+        if health is WorkerHealth.SERVING:
             try:
                 async with asyncio.timeout(limit):
                     await self._sleep(entry.worker)
-                health = Health.NOT_SERVING
+                health = WorkerHealth.NOT_SERVING
             except Exception as e:
                 message = (
                     f"did not go to sleep within {limit:g} s"
                     if isinstance(e, TimeoutError)
-                    else _why(e)
+                    else error_text(e)
                 )
                 entry.rollback_error = f"{entry.rollback_error}; taking it out failed: {message}"
         entry.rollback_s += time.monotonic() - started
         entry.version = None
-        if health is Health.SERVING:
+        if health is WorkerHealth.SERVING:
             entry.outcome = Outcome.ROLLBACK_FAILED
         else:
             entry.outcome = Outcome.REMOVED

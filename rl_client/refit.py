@@ -14,23 +14,25 @@
 Either finds its workers through Dynamo's discovery with ``from_discovery(namespace)``
 (``rl_client.fleet_discovery``: the workers registered now), instead of a list.
 
-Each only carries the calls; the cycle, its rules and its report
-(``RefitReport``, ``RefitError``) are ``rl_client.fleet_cycle``'s, the same for
-both. vLLM's weight-sync clients are ``rl_client.weight_sync``'s. Their names
-are re-exported here, so that ``from rl_client.refit import ...`` keeps working.
+Each only carries the calls: the cycle and its rules are ``rl_client.fleet_cycle``'s,
+the same for both; its report (``RefitReport``, ``RefitError``) and ``Deadlines``
+live in ``rl_client.refit_report``. vLLM's weight-sync clients are
+``rl_client.weight_sync``'s, as is ``RouteError``, which ``RefitClient`` raises too.
 No Dynamo import here: trainers install only the ``driver`` extra.
 """
 
 from __future__ import annotations
 
 import asyncio
+from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2
 
+from engine_contract import WEIGHT_FENCE_REVISION
 from engine_contract.refit_rules import pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
@@ -42,36 +44,14 @@ from rl_client.committed import (
     PushedSource,
     WeightSource,
 )
-from rl_client.fleet_cycle import (
-    Deadlines,
-    Health,
-    Outcome,
-    RefitError,
-    RefitReport,
-    WorkerRefit,
-    _Cycle,
-    _Previous,
-    _Unanswered,
-    _why,
-)
+from rl_client.fleet_cycle import FleetCycle, RollbackTarget, Unanswered, error_text
 from rl_client.fleet_discovery import FleetDiscovery, FleetWorker, discover_workers
+from rl_client.refit_report import Deadlines, RefitReport, WorkerHealth
 from rl_client.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
 from rl_client.tls import TlsOptions
-from rl_client.weight_sync import ContractWeightSyncClient, DynamoWeightSyncClient, RouteError
+from rl_client.weight_sync import RouteError
 
-__all__ = [
-    "ContractWeightSyncClient",
-    "Deadlines",
-    "DynamoWeightSyncClient",
-    "EngineRefitClient",
-    "Health",
-    "Outcome",
-    "RefitClient",
-    "RefitError",
-    "RefitReport",
-    "RouteError",
-    "WorkerRefit",
-]
+__all__ = ["EngineRefitClient", "RefitClient"]
 
 
 def _discovered(
@@ -106,7 +86,30 @@ def _count(answer: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class RefitClient(_Cycle):
+class _FleetClient(FleetCycle):
+    """What both clients offer besides the cycle, alike whatever carries their
+    calls: the workers discovery listed, ``async with`` closing the client's
+    connections, and resuming workers by hand."""
+
+    # The workers as discovery listed them (``from_discovery``), else empty.
+    discovered: list[FleetWorker]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close this client's connections to the workers."""
+
+    async def resume(self, workers: Sequence[str] | None = None) -> None:
+        """Resume ``workers`` (default: the whole fleet), as after a refit."""
+        await asyncio.gather(*(self._resume(w) for w in workers or self._fleet()))
+
+
+class RefitClient(_FleetClient):
     """The cycle over Dynamo workers' RL admin routes (their system URLs).
 
     ``admin_token``: the workers' token; None (the default) reads it from the
@@ -140,8 +143,7 @@ class RefitClient(_Cycle):
         self._session = session
         self._own_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        # The workers as discovery listed them (``from_discovery``), else empty.
-        self.discovered: list[FleetWorker] = []
+        self.discovered = []
 
     @classmethod
     def from_discovery(
@@ -163,12 +165,6 @@ class RefitClient(_Cycle):
         client = cls([str(w.admin_url) for w in workers], **options)
         client.discovered = workers
         return client
-
-    async def __aenter__(self) -> RefitClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -234,17 +230,17 @@ class RefitClient(_Cycle):
         answer = await self.call(worker, "get_weight_version")
         return str(answer.get("serving", answer.get("version")))
 
-    async def _health(self, worker: str) -> Health:
+    async def _health(self, worker: str) -> WorkerHealth:
         """The bridge's own view (``liveness_probe``): its engine server serving."""
         try:
             status, answer = await self._post(worker, "liveness_probe", None)
         except (aiohttp.ClientError, OSError):
-            return Health.UNREACHABLE
+            return WorkerHealth.UNREACHABLE
         if status == 200 and isinstance(answer, dict):
             if answer.get("status") == "ok":
-                return Health.SERVING
+                return WorkerHealth.SERVING
             if answer.get("alive") is False:
-                return Health.NOT_SERVING
+                return WorkerHealth.NOT_SERVING
         raise RouteError(f"liveness_probe: HTTP {status}: {answer!r}")
 
     async def _sleep(self, worker: str) -> None:
@@ -253,7 +249,7 @@ class RefitClient(_Cycle):
     def _loads(self, source: WeightSource) -> bool:
         return isinstance(source, CheckpointSource)
 
-    async def _start_state(self) -> dict[str, _Previous]:
+    async def _start_state(self) -> dict[str, RollbackTarget]:
         raise ValueError(
             "RefitClient cannot undo a failed refit without knowing the checkpoint the "
             "fleet serves now: give committed=CommittedWeights(version, "
@@ -268,9 +264,6 @@ class RefitClient(_Cycle):
         and resume once all loaded; otherwise all go back (``RefitError``)."""
         return await self._run(version, CheckpointSource(model_path), mode, clear_cache)
 
-    async def resume(self, workers: Sequence[str] | None = None) -> None:
-        await asyncio.gather(*(self._resume(w) for w in workers or self.worker_urls))
-
     async def versions(self) -> dict[str, Any]:
         answers = await asyncio.gather(
             *(self.call(w, "get_weight_version") for w in self.worker_urls)
@@ -278,7 +271,7 @@ class RefitClient(_Cycle):
         return {w: a.get("version") for w, a in zip(self.worker_urls, answers, strict=True)}
 
 
-class EngineRefitClient(_Cycle):
+class EngineRefitClient(_FleetClient):
     """The cycle over engine servers' contract (gRPC), weights streamed or from a folder.
 
     ``tls``: TLS to the engine servers, as the bridge's ``--engine-tls-*`` options
@@ -306,8 +299,7 @@ class EngineRefitClient(_Cycle):
             a: RefitRpc.connect(a, tls=tls, max_message_bytes=max_message_bytes)
             for a in engine_addresses
         }
-        # The workers as discovery listed them (``from_discovery``), else empty.
-        self.discovered: list[FleetWorker] = []
+        self.discovered = []
         self._chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
 
     @classmethod
@@ -337,12 +329,6 @@ class EngineRefitClient(_Cycle):
         client = cls([str(w.engine_address) for w in workers], tls=tls, **options)
         client.discovered = workers
         return client
-
-    async def __aenter__(self) -> EngineRefitClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         await asyncio.gather(*(engine.close() for engine in self._engines.values()))
@@ -382,20 +368,25 @@ class EngineRefitClient(_Cycle):
         return (await self._engines[worker].update_weight_version(request)).weight_changes
 
     async def _changes(self, worker: str) -> int | None:
-        return (await self._engines[worker].get_weight_version()).weight_changes
+        """The count, from a server that fences (an older one would ignore the
+        fence: None, unfenced)."""
+        info = await self._engines[worker].server_info()
+        if info.contract_revision < WEIGHT_FENCE_REVISION:
+            return None
+        return info.refit_state.weight_changes
 
     async def _serving(self, worker: str) -> str:
         return (await self._engines[worker].get_weight_version()).weight_version
 
-    async def _health(self, worker: str) -> Health:
+    async def _health(self, worker: str) -> WorkerHealth:
         try:
             status = await self._engines[worker].health()
         except grpc.aio.AioRpcError:
-            return Health.UNREACHABLE
+            return WorkerHealth.UNREACHABLE
         return (
-            Health.SERVING
+            WorkerHealth.SERVING
             if status == health_pb2.HealthCheckResponse.SERVING
-            else (Health.NOT_SERVING)
+            else (WorkerHealth.NOT_SERVING)
         )
 
     async def _sleep(self, worker: str) -> None:
@@ -404,17 +395,17 @@ class EngineRefitClient(_Cycle):
     def _loads(self, source: WeightSource) -> bool:
         return True
 
-    async def _start_state(self) -> dict[str, _Previous]:
+    async def _start_state(self) -> dict[str, RollbackTarget]:
         limit = self.deadlines.control_s
 
-        async def one(worker: str) -> _Previous:
+        async def one(worker: str) -> RollbackTarget:
             try:
                 async with asyncio.timeout(limit):
                     info = await self._engines[worker].server_info()
             except TimeoutError:
-                raise _Unanswered({worker: f"did not answer within {limit:g} s"}) from None
+                raise Unanswered({worker: f"did not answer within {limit:g} s"}) from None
             except grpc.aio.AioRpcError as e:
-                raise _Unanswered({worker: _why(e)}) from None
+                raise Unanswered({worker: error_text(e)}) from None
             state = info.refit_state
             why = (
                 f"serves version {state.weight_version!r} set by a refit this client did not make"
@@ -429,7 +420,7 @@ class EngineRefitClient(_Cycle):
                     "give committed=CommittedWeights(version, source), or a store= holding "
                     "the fleet's record"
                 )
-            return _Previous(state.weight_version, CheckpointSource(info.model_path))
+            return RollbackTarget(state.weight_version, CheckpointSource(info.model_path))
 
         workers = self._fleet()
         states = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
@@ -437,13 +428,13 @@ class EngineRefitClient(_Cycle):
         for state in states:
             if isinstance(state, ValueError):
                 raise state
-            if isinstance(state, _Unanswered):
+            if isinstance(state, Unanswered):
                 unanswered |= state.errors
             elif isinstance(state, BaseException):
                 raise state
         if unanswered:
-            raise _Unanswered(unanswered)
-        return {w: s for w, s in zip(workers, states, strict=True) if isinstance(s, _Previous)}
+            raise Unanswered(unanswered)
+        return {w: s for w, s in zip(workers, states, strict=True) if isinstance(s, RollbackTarget)}
 
     async def refit(
         self,
@@ -462,9 +453,6 @@ class EngineRefitClient(_Cycle):
             raise ValueError("give either tensors or path")
         source: WeightSource = CheckpointSource(path) if path is not None else PushedSource(tensors)
         return await self._run(version, source, mode, clear_cache)
-
-    async def resume(self, workers: Sequence[str] | None = None) -> None:
-        await asyncio.gather(*(self._resume(w) for w in workers or list(self._engines)))
 
     @property
     def engines(self) -> list[str]:

@@ -93,6 +93,7 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
     from engine_contract.v1 import engine_pb2 as pb
     from engine_contract.v1 import engine_pb2_grpc as pb_grpc
     from harness.checkpoints import tiny_weights_dir
+    from harness.engine import prompt_of
     from harness.ports import free_port
     from harness.procs import ProcessGroup
     from harness.tiny_model import tiny_model_dir
@@ -107,7 +108,7 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
             failures.append(what)
 
     model_a, model_b = tiny_model_dir(), tiny_weights_dir(1)
-    prompts = [[(s * 131 + i * 17) % 1000 + 3 for i in range(8 + s)] for s in range(6)]
+    prompts = [prompt_of(8 + s, seed=s) for s in range(6)]
     with ProcessGroup(work / "logs") as group:
         _, address = group.engine_server(
             "engine",

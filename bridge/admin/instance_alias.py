@@ -5,10 +5,14 @@ instance id, and NeMo RL's readiness wait (``ManagedDynamoRuntime._wait_for_fron
 counts a worker only when the two ids are equal. A Python ``LLMEngine`` never gets
 its worker's runtime (Dynamo 1.3 to 1.6 keep it inside the Rust ``Worker``), so the
 bridge serves ``rl`` from a second runtime of its own, the *carrier*, registered as
-``<namespace>/<component>_rl/rl``. This module then publishes the carrier's own
-record again, as Dynamo wrote it, under ``<namespace>/<component>/rl/<worker id>``:
-the same transport (the carrier's address, which its request-plane server answers
-on), the worker's instance id. Requests routed to that id reach the carrier.
+``<namespace>/<component>_rl/carrier``. This module then publishes the carrier's
+own record again, as Dynamo wrote it, under ``<namespace>/<component>/rl/<worker
+id>``: the same transport (the carrier's address and path, which its
+request-plane server answers on), the worker's component, instance id and the
+endpoint name ``rl``. Requests routed to that id reach the carrier. The carrier's
+own endpoint is not called ``rl``: a frontend that lists the ``rl`` endpoints of
+a namespace (``DYN_ENABLE_RL``'s ``/v1/rl/workers``) would list each worker twice,
+once without its model.
 
 The alias lives as long as the carrier's registration:
 
@@ -43,6 +47,10 @@ RENEW_EVERY_S = FILE_STORE_TTL_S / 4
 ETCD_TIMEOUT_S = 5.0
 
 
+# The carrier's endpoint name: anything but "rl" (see above).
+CARRIER_ENDPOINT = "carrier"
+
+
 def carrier_component(component: str) -> str:
     """The component the carrier registers under: never the worker's own, so
     that the worker's ``rl`` endpoint lists one instance (the alias)."""
@@ -63,12 +71,15 @@ def file_name(key_below_bucket: str) -> str:
     )
 
 
-def aliased(record: Mapping[str, Any], component: str, instance_id: int) -> dict[str, Any]:
-    """The carrier's record as the worker's: its component and instance id
-    replaced, everything else (transport, codec, ...) kept as Dynamo wrote it."""
+def aliased(
+    record: Mapping[str, Any], component: str, instance_id: int, endpoint: str = "rl"
+) -> dict[str, Any]:
+    """The carrier's record as the worker's: its component, endpoint name and
+    instance id replaced, everything else (transport, codec, ...) kept as Dynamo
+    wrote it."""
     if not isinstance(record.get("instance_id"), int) or "transport" not in record:
         raise ValueError(f"not a Dynamo instance record: {dict(record)!r}")
-    return {**record, "component": component, "instance_id": instance_id}
+    return {**record, "component": component, "endpoint": endpoint, "instance_id": instance_id}
 
 
 class AliasStore(Protocol):
@@ -183,13 +194,14 @@ class InstanceAlias:
         endpoint: str,
         worker_id: int,
         carrier_id: int,
+        carrier_endpoint: str = CARRIER_ENDPOINT,
     ) -> None:
         self.store = store
         self.carrier_key = instance_key(
-            namespace, carrier_component(component), endpoint, carrier_id
+            namespace, carrier_component(component), carrier_endpoint, carrier_id
         )
         self.key = instance_key(namespace, component, endpoint, worker_id)
-        self._component, self._worker_id = component, worker_id
+        self._component, self._endpoint, self._worker_id = component, endpoint, worker_id
         self._renewing: asyncio.Task[None] | None = None
 
     async def publish(self, timeout_s: float = 30.0) -> None:
@@ -210,7 +222,8 @@ class InstanceAlias:
         if found is None:
             return False
         record, owner = found
-        await self.store.put(self.key, aliased(record, self._component, self._worker_id), owner)
+        alias = aliased(record, self._component, self._worker_id, self._endpoint)
+        await self.store.put(self.key, alias, owner)
         return True
 
     async def _renew(self) -> None:

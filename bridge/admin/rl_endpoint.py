@@ -2,12 +2,20 @@
 
 dynamo.vllm describes its RL admin routes there (method ``routes``: their
 names, the worker's system URL, the weight world size), so that a trainer can
-find every worker's admin address through Dynamo's discovery. A backend engine
-never gets the worker's runtime, so the bridge starts a second, small runtime
-(the carrier) in the same process for this one endpoint, without a system server
-of its own (the worker's system port is the bridge's already), and answers with
-Dynamo's own ``RLRouteRegistry``. The carrier registers under a component of its
-own; ``bridge.admin.instance_alias`` then lists it as ``<namespace>.<component>.rl``
+find every worker's admin address through Dynamo's discovery: a frontend run
+with ``DYN_ENABLE_RL`` lists every such endpoint at ``GET /v1/rl/workers`` (on
+``DYN_RL_PORT``), each with what this answer says and the model its instance
+serves. The names are all three spellings' (``bridge.admin.surface``): a name
+under ``/engine/`` (dynamo.vllm's, the sidecar's ``control/...`` and
+``update/...``), or a path from the system URL's root (vLLM's, ``/pause``...).
+
+A backend engine never gets the worker's runtime, so the bridge starts a second,
+small runtime (the carrier) in the same process for this one endpoint, without a
+system server of its own (the worker's system port is the bridge's already), and
+answers with Dynamo's own ``RLRouteRegistry``. The carrier registers under a
+component and an endpoint name of its own (``<component>_rl.carrier``: not
+``rl``, so that a frontend listing ``rl`` endpoints lists each worker once);
+``bridge.admin.instance_alias`` then lists it as ``<namespace>.<component>.rl``
 under the worker's own instance id, one id for ``generate`` and ``rl`` as
 dynamo.vllm has (NeMo RL's readiness rule).
 """
@@ -22,7 +30,12 @@ from typing import Any
 
 from dynamo.runtime import DistributedRuntime
 
-from bridge.admin.instance_alias import InstanceAlias, alias_store, carrier_component
+from bridge.admin.instance_alias import (
+    CARRIER_ENDPOINT,
+    InstanceAlias,
+    alias_store,
+    carrier_component,
+)
 from bridge.admin.rl_admin import Route
 from bridge.config import BridgeConfig
 from bridge.dynamo_compat import rl_route_registry
@@ -47,12 +60,15 @@ class RlEndpoint:
         routes: Mapping[str, Route],
         system_url: str | None,
         worker_id: int,
+        world_size: int = 1,
     ) -> None:
         self._config = config
         self._worker_id = worker_id
-        # One weight receiver: the engine server's engine (a tensor- or
-        # pipeline-parallel engine loads each rank's share itself).
-        self.registry = rl_route_registry(_SystemUrl(system_url), logger_=log, world_size=1)
+        # The worker's ranks in a trainer's weight-transfer group, as vLLM's
+        # /get_world_size answers them (bridge.admin.rl_admin.weight_world_size).
+        self.registry = rl_route_registry(
+            _SystemUrl(system_url), logger_=log, world_size=world_size
+        )
         self.registry.add_routes(routes)
         self._runtime: Any = None
         self._serving: asyncio.Future[Any] | None = None
@@ -72,7 +88,9 @@ class RlEndpoint:
         finally:
             if saved is not None:
                 os.environ["DYN_SYSTEM_PORT"] = saved
-        carrier = self._runtime.endpoint(f"{cfg.namespace}.{carrier_component(cfg.component)}.rl")
+        carrier = self._runtime.endpoint(
+            f"{cfg.namespace}.{carrier_component(cfg.component)}.{CARRIER_ENDPOINT}"
+        )
         self._serving = asyncio.ensure_future(carrier.serve_endpoint(self._dispatch))
         self._alias = InstanceAlias(
             alias_store(cfg.discovery_backend),

@@ -6,10 +6,15 @@ A backend engine (``dynamo.common.backend``) never gets its runtime, so cannot.
 So the bridge takes the user's system port itself: before the runtime starts,
 its system server is moved to an internal loopback port (in the environment it
 reads), and this server answers the RL routes and passes every other request
-(``/health``, ``/live``, ``/metrics``, ``/engine/control/...``) to it, status,
+(``/health``, ``/live``, ``/metrics``, any other ``/engine/...``) to it, status,
 headers and body unchanged, except ``GET /metrics``, which gets the engine's own
 series (vLLM's ``vllm:``, ``bridge.engine_metrics``) after Dynamo's, where
 dynamo.vllm would have published them.
+
+The RL routes come in three spellings (``bridge.admin.surface``): dynamo.vllm's
+names under ``/engine/`` (``routes``: a dict in, a dict out, HTTP 200), and
+vLLM's and the Dynamo sidecar's whole paths (``http_routes``: each answers the
+request itself, with its own status codes).
 
 With an admin token (``bridge.admin.auth``) every path but ``/health``,
 ``/live`` and ``/metrics`` needs it, Dynamo's own ``/engine/...`` included.
@@ -44,6 +49,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from bridge.admin.auth import auth_middleware, exposure_warning
+from bridge.admin.http_routes import HttpRoute
 from rl_client.admin_token import AdminToken
 
 log = logging.getLogger(__name__)
@@ -89,6 +95,15 @@ def _refuse_constant(name: str) -> Any:
 def strict_json(raw: bytes | str) -> Any:
     """A request body as JSON, refusing the non-JSON constants json.loads allows."""
     return json.loads(raw, parse_constant=_refuse_constant)
+
+
+async def engine_route_body(request: web.Request) -> Any:
+    """An engine route's body as Dynamo's system server reads it, for every
+    spelling served under ``/engine/``: a GET or an empty body is ``{}``, else
+    strict JSON (ValueError, or RecursionError when nested too deep, for what
+    is not; each spelling answers that in its own words)."""
+    raw = await request.read()
+    return strict_json(raw) if raw.strip() else {}
 
 
 def free_dynamo_port() -> int:
@@ -224,7 +239,8 @@ class _Runner(web.AppRunner):
 
 
 class SystemServer:
-    """Serves ``routes`` as ``/engine/<name>``; proxies the rest to Dynamo's server."""
+    """Serves ``routes`` as ``/engine/<name>`` and ``http_routes`` at their paths;
+    proxies the rest to Dynamo's server."""
 
     def __init__(
         self,
@@ -232,9 +248,11 @@ class SystemServer:
         routes: Mapping[str, Route],
         admin_token: AdminToken | None = None,
         extra_metrics: ExtraMetrics | None = None,
+        http_routes: Mapping[str, HttpRoute] | None = None,
     ) -> None:
         self.address = address
         self._routes = dict(routes)
+        self._http_routes = dict(http_routes or {})
         self._token = admin_token
         self._extra_metrics = extra_metrics
         self._runner: _Runner | None = None
@@ -279,6 +297,9 @@ class SystemServer:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        http_route = self._http_routes.get(path)
+        if http_route is not None:
+            return await http_route.handle(request)
         if path.startswith("/engine/") and path[len("/engine/") :] in self._routes:
             return await self._route(path[len("/engine/") :], request)
         if path == "/metrics" and request.method == "GET" and self._extra_metrics is not None:
@@ -307,16 +328,13 @@ class SystemServer:
     async def _route(self, name: str, request: web.Request) -> web.Response:
         """As Dynamo's own engine routes: GET or an empty body is ``{}``; invalid
         JSON is HTTP 400; the handler's dict is the answer."""
-        raw = await request.read()
-        body: Any = {}
-        if raw.strip():
-            try:
-                body = strict_json(raw)
-            except (ValueError, RecursionError) as e:
-                return web.json_response(
-                    {"error": "Invalid JSON", "message": f"request body is not JSON: {e!s:.200}"},
-                    status=400,
-                )
+        try:
+            body = await engine_route_body(request)
+        except (ValueError, RecursionError) as e:
+            return web.json_response(
+                {"error": "Invalid JSON", "message": f"request body is not JSON: {e!s:.200}"},
+                status=400,
+            )
         answer = await self._routes[name](body)
         try:
             return web.json_response(answer, dumps=_dumps)

@@ -303,6 +303,12 @@ class EngineBackend(ABC):
     async def finish_weight_update(self) -> WeightLoad:
         raise self._unsupported("a weight-transfer engine")
 
+    async def abort_weight_update(self, reason: str) -> None:
+        """Roll back an update its trainer left part way (started, never finished),
+        so that the old weights serve again; EngineFailed when what it loaded could
+        not be put back. Unsupported engines keep the update in progress."""
+        raise self._unsupported("rolling back a weight-transfer update")
+
     async def shutdown_weight_transfer(self) -> None:
         raise self._unsupported("a weight-transfer engine")
 

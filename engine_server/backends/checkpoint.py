@@ -1,5 +1,7 @@
 """Safetensors checkpoints for weight updates: read their schema, check an update
-against the served model's, and write streamed tensors as a checkpoint.
+against the served model's, check a folder before anything loads from it (resolved,
+held to the allowed folders, every header read: ``preflight``), and write streamed
+tensors as a checkpoint.
 
 Engine-neutral (no torch), so that every backend checks updates the same way
 and before anything is loaded: in vLLM a tensor with the wrong shape or an
@@ -23,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from engine_contract.text import clip
 from engine_server.backends.refit import TensorSpec, WeightUpdateError
 
 # safetensors' dtype names <-> ours (refit.DTYPE_BYTES keys).
@@ -291,6 +294,38 @@ def check_update(
                         "in the engine; "
                         f"send {', '.join(_quote(n) for n in needed if n in model)} together"
                     )
+
+
+class FolderNotAllowed(Exception):
+    """A weight update's folder resolves outside the folders updates may load from
+    (the caller lacks the right; the request is well formed)."""
+
+
+def preflight(path: str, allowed: tuple[Path, ...]) -> str:
+    """The path resolved (symlinks, ``..``), held to the allowed folders, and every
+    file's header read: whatever is wrong is found before anything loads, and the
+    path checked is the path the backend is given. Blocking: run off the loop."""
+    try:
+        resolved = os.path.realpath(path)
+        if allowed:
+            _check_allowed(path, resolved, allowed)
+        checkpoint_schema(resolved)
+    except (WeightUpdateError, FolderNotAllowed):
+        raise
+    except Exception as e:  # nothing loaded whatever it is: still a refusal
+        raise WeightUpdateError(f"the checkpoint could not be checked: {clip(e, 300)}") from e
+    return resolved
+
+
+def _check_allowed(path: str, resolved: str, allowed: tuple[Path, ...]) -> None:
+    roots = [os.path.realpath(folder) for folder in allowed]
+    if any(os.path.commonpath([root, resolved]) == root for root in roots):
+        return
+    raise FolderNotAllowed(
+        f"path: {clip(path)} resolves to {clip(resolved)}, outside the folders weight "
+        f"updates may load from (--weights-allowed-dir {', '.join(clip(r) for r in roots)}); "
+        "nothing was loaded, the old weights still serve"
+    )
 
 
 class SafetensorsWriter:

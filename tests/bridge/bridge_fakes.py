@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from aiohttp import web
@@ -23,6 +24,10 @@ from engine_server import tracing
 from engine_server.errors import ServerError
 from engine_server.generate_stream import GenerateStream
 from engine_server.rollout_stream import RolloutStream
+from rl_client.refit_rpc import RefitRpc
+
+if TYPE_CHECKING:
+    from bridge.engine import BridgeEngine
 
 
 @dataclass
@@ -230,6 +235,34 @@ class FakeServer:
         await self.server.stop(grace=None)
 
 
+@asynccontextmanager
+async def bridge_on(server: FakeServer, **config: Any) -> AsyncIterator[BridgeEngine]:
+    """A bridge in front of ``server`` (model path "/m", the other BridgeConfig
+    fields from ``config``), started as Dynamo starts one (worker 1) and cleaned
+    up when the block ends, however it ends."""
+    # Imported here: the bridge's config and engine import Dynamo; the other fakes do not.
+    from bridge.config import BridgeConfig
+    from bridge.engine import BridgeEngine
+
+    engine = BridgeEngine(BridgeConfig(engine_address=server.address, model_path="/m", **config))
+    await engine.start(worker_id=1)
+    try:
+        yield engine
+    finally:
+        await engine.cleanup()
+
+
+async def annotated_chunks(
+    engine: BridgeEngine, annotation: str, ctx: str = "c1"
+) -> list[dict[str, Any]]:
+    """What ``engine`` answers a request of three prompt tokens carrying
+    ``annotation`` (a rollout's spec, its weight version), as Dynamo hands it one."""
+    from dynamo._core import Context  # Dynamo's: imported here, as in bridge_on
+
+    request = {"token_ids": [5, 6, 7], "annotations": [annotation]}
+    return [chunk async for chunk in engine.generate(request, context=Context(id=ctx))]
+
+
 @dataclass
 class RecordingPublisher:
     """Stands in for Dynamo's KvEventPublisher."""
@@ -294,3 +327,28 @@ class FakeRegistration:
 def rl_admin(client: Any) -> RlAdmin:
     """RlAdmin over a fake engine client (one with a ``refit`` RefitRpc)."""
     return RlAdmin(lambda: client, FakeRegistration())  # type: ignore[arg-type]
+
+
+class Scripts(Protocol):
+    """A fake engine that answers each RPC by its name (``GetWeightVersion``...)."""
+
+    async def handle(self, method: str, request: Any) -> Any: ...
+
+
+class _ScriptedStub:
+    """An engine stub whose every method is ``engine.handle(its name, request)``."""
+
+    def __init__(self, engine: Scripts) -> None:
+        self._engine = engine
+
+    def __getattr__(self, method: str) -> Any:
+        async def call(request: Any, timeout: float | None = None) -> Any:
+            return await self._engine.handle(method, request)
+
+        return call
+
+
+def scripted_refit(engine: Scripts) -> RefitRpc:
+    """The RefitRpc RlAdmin calls, each RPC answered by ``engine.handle``: a fake
+    engine scripts the refit rules by method name, with no gRPC server."""
+    return RefitRpc(_ScriptedStub(engine))  # type: ignore[arg-type]

@@ -21,14 +21,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import engine_contract
 from bridge.admin import system_server
 from bridge.admin.auth import exposure_warning, is_loopback
 from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
 from bridge.config import MODEL_FILES, parse_args
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.admin_token import MAX_TOKEN_BYTES, TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
-from rl_client.refit import RefitClient, RouteError
+from rl_client.refit import RefitClient
 from rl_client.refit_rpc import RefitRpc
+from rl_client.weight_sync import RouteError
 from tests.bridge.bridge_fakes import rl_admin, serve_loopback
 
 TOKEN = "s3cret-Token_0123456789"
@@ -407,6 +409,7 @@ class FakeClient:
     records every RPC by name."""
 
     address = "fake:1"
+    server_revision = engine_contract.CONTRACT_REVISION
 
     def __init__(self, paused: bool = True) -> None:
         self.rpcs: list[str] = []

@@ -11,8 +11,10 @@ import pytest
 
 from bridge import codec
 from bridge.codec import RequestError
+from bridge.rollout_wire import ProtocolError
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client import wire
+from rl_client.annotation import RolloutSpec
 
 
 def f32(x: float) -> float:
@@ -82,9 +84,9 @@ def test_a_rollout_annotation_parses_into_its_spec() -> None:
     spec = codec.parse_request_kind(
         ['rollout:{"greedy":true,"stop_strings":["</s>","\\n\\n"],"request_id":"r1"}']
     )
-    assert spec == codec.RolloutSpec(greedy=True, stop_strings=("</s>", "\n\n"), request_id="r1")
-    assert codec.parse_request_kind(["rollout:{}"]) == codec.RolloutSpec()
-    assert codec.parse_request_kind(["rollout:"]) == codec.RolloutSpec()
+    assert spec == RolloutSpec(greedy=True, stop_strings=("</s>", "\n\n"), request_id="r1")
+    assert codec.parse_request_kind(["rollout:{}"]) == RolloutSpec()
+    assert codec.parse_request_kind(["rollout:"]) == RolloutSpec()
 
 
 @pytest.mark.parametrize(
@@ -118,7 +120,7 @@ def test_two_rollout_annotations_refused() -> None:
 
 
 def test_rollout_request_takes_max_tokens_only_when_given() -> None:
-    spec = codec.RolloutSpec(greedy=True, stop_strings=("x",))
+    spec = RolloutSpec(greedy=True, stop_strings=("x",))
     msg = codec.build_rollout_request("r", completion_request(), spec)
     assert not msg.HasField("max_new_tokens")
     assert (msg.request_id, list(msg.prompt_token_ids), msg.greedy, list(msg.stop_strings)) == (
@@ -136,7 +138,7 @@ def test_rollout_request_takes_max_tokens_only_when_given() -> None:
 def test_rollout_refuses_http_stop_strings() -> None:
     request = completion_request(stop_conditions__stop=["\n"])
     with pytest.raises(RequestError, match="from the rollout spec"):
-        codec.build_rollout_request("r", request, codec.RolloutSpec())
+        codec.build_rollout_request("r", request, RolloutSpec())
 
 
 def rollout_response(**fields: object) -> pb.RolloutResponse:
@@ -214,10 +216,10 @@ def test_routed_experts_and_r3_stats_reach_the_rollouts_engine_data() -> None:
 
 
 def test_rollout_misaligned_or_bad_experts_is_a_protocol_error() -> None:
-    with pytest.raises(codec.ProtocolError, match="2 logprobs for 3 tokens"):
+    with pytest.raises(ProtocolError, match="2 logprobs for 3 tokens"):
         codec.rollout_chunk(rollout_response(logprobs=[-1.0, -2.0]))
     bad = pb.RoutedExperts(data=b"\x00" * 5, dtype=pb.TENSOR_DTYPE_INT16, shape=[1, 1, 2])
-    with pytest.raises(codec.ProtocolError, match="needs 4"):
+    with pytest.raises(ProtocolError, match="needs 4"):
         codec.rollout_chunk(rollout_response(routed_experts=bad))
 
 
@@ -376,5 +378,5 @@ def test_generate_deltas_become_dynamo_chunks_and_malformed_ones_are_refused() -
             "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
-    with pytest.raises(codec.ProtocolError):
+    with pytest.raises(ProtocolError):
         codec.generate_chunk(pb.GenerateResponse(token_ids=[1], logprobs=[-1.0, -2.0]))

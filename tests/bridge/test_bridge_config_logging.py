@@ -32,10 +32,10 @@ def test_cli_maps_to_bridge_and_worker_config(model_dir: Path) -> None:
             "--namespace",
             "ns",
             *ONE_MACHINE_FLAGS,  # file, tcp, zmq
-            "--connect-timeout",
+            "--connect-timeout-s",
             "7",
-            "--max-message-mib",
-            "8",
+            "--max-message-bytes",
+            str(8 * 1024 * 1024),
             "--log-level",
             "debug",
         ]

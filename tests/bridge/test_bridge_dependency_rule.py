@@ -1,8 +1,8 @@
 """The dependency rule, checked at runtime and in the source: the bridge runs
 where vllm and torch cannot be imported; the engine server where dynamo and
-bridge cannot; the RL side's clients (rl_client) where none of dynamo, vllm,
-torch, bridge and engine_server can; and no file of any imports them, even
-lazily."""
+bridge cannot; the RL side's clients (rl_client) and what both processes and
+the launcher share (launch) where none of dynamo, vllm, torch, bridge and
+engine_server can; and no file of any imports them, even lazily."""
 
 from __future__ import annotations
 
@@ -66,12 +66,24 @@ def _modules(package: str) -> list[str]:
     return sorted(names, key=lambda name: (name != package, name))
 
 
+def _assert_imports_without(modules: list[str], *banned: str) -> None:
+    """Every one of ``modules`` imports in a fresh interpreter in which ``banned``
+    cannot be imported: none of them needs those, not even through another module."""
+    code = f"import importlib\nfor m in {modules!r}:\n    importlib.import_module(m)\nprint('ok')"
+    out = run(blocking_env(*banned), "-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_every_rl_client_module_imports_without_dynamo_vllm_torch_bridge_or_engine_server() -> None:
     modules = _modules("rl_client")
     assert "rl_client.driver" in modules and "rl_client.refit" in modules, modules
-    code = f"import importlib\nfor m in {modules!r}:\n    importlib.import_module(m)\nprint('ok')"
-    out = run(blocking_env(*RL_CLIENT_BANNED), "-c", code)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    _assert_imports_without(modules, *RL_CLIENT_BANNED)
+
+
+def test_every_launch_module_imports_without_either_side() -> None:
+    modules = _modules("launch")
+    assert "launch.supervisor" in modules and "launch.config_flags" in modules, modules
+    _assert_imports_without(modules, *RL_CLIENT_BANNED)
 
 
 def _imported_roots(package: str) -> dict[str, set[str]]:
@@ -95,6 +107,7 @@ def test_no_file_of_either_side_imports_the_other_sides_dependencies() -> None:
         "bridge": {"vllm", "torch"},
         "engine_server": {"dynamo", "bridge"},
         "rl_client": set(RL_CLIENT_BANNED),
+        "launch": {*RL_CLIENT_BANNED, "engine_worker"},
     }
     for package, banned in rules.items():
         found = _imported_roots(package)

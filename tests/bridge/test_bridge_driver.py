@@ -16,6 +16,7 @@ from bridge import codec
 from engine_contract.tensors import TENSOR_DTYPES
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client import driver, wire
+from rl_client.annotation import RolloutSpec
 from tests.bridge.bridge_fakes import fake_frontend, frontend_body
 
 # The routed-experts dtypes the wire allows, as the contract numbers them.
@@ -148,7 +149,7 @@ def test_the_rollout_body_carries_the_annotation_the_bridge_parses() -> None:
     }
     # The bridge reads back exactly what the driver wrote.
     spec = codec.parse_request_kind(body["nvext"]["annotations"])
-    assert spec == codec.RolloutSpec(greedy=True, stop_strings=("\n",), request_id="r1")
+    assert spec == RolloutSpec(greedy=True, stop_strings=("\n",), request_id="r1")
     assert "max_tokens" not in driver.build_rollout_body("m", [1])
 
 

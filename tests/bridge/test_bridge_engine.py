@@ -20,7 +20,7 @@ from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
 from harness.waits import wait_until_async
 from rl_client import wire
-from tests.bridge.bridge_fakes import FakeEngine, FakeServer
+from tests.bridge.bridge_fakes import FakeEngine, FakeServer, bridge_on
 
 
 def bridge_for(address: str, timeout: float = 5.0) -> BridgeEngine:
@@ -35,11 +35,8 @@ async def collect(engine: BridgeEngine, request: dict[str, Any], ctx: Context) -
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[FakeServer, BridgeEngine]]:
-    async with FakeServer() as server:
-        engine = bridge_for(server.address)
-        await engine.start(worker_id=1)
+    async with FakeServer() as server, bridge_on(server, connect_timeout_s=5.0) as engine:
         yield server, engine
-        await engine.cleanup()
 
 
 async def test_start_registers_the_engine_configuration(
@@ -59,10 +56,15 @@ async def test_start_registers_the_engine_configuration(
     ) == (512, 4, 100, 8, 256)
 
 
-async def test_old_server_refused_with_a_clear_message() -> None:
-    async with FakeServer(FakeEngine(contract_revision=0)) as server:
+async def test_a_server_older_than_the_window_refused_with_a_clear_message() -> None:
+    old = engine_contract.MINIMUM_SERVER_REVISION - 1
+    async with FakeServer(FakeEngine(contract_revision=old)) as server:
         engine = bridge_for(server.address)
-        with pytest.raises(IncompatibleServerError, match="upgrade the engine server"):
+        says = (
+            f"implements contract revision {old}, but this bridge needs at least revision "
+            f"{old + 1}: upgrade the engine server"
+        )
+        with pytest.raises(IncompatibleServerError, match=says):
             await engine.start(worker_id=1)
         await engine.cleanup()
         await engine.cleanup()
@@ -187,9 +189,7 @@ async def test_abort_cancels_and_tells_the_engine(
 async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
     server = FakeServer(FakeEngine(generate_tokens=1000, generate_delay_s=0.01))
     await server.__aenter__()
-    engine = bridge_for(server.address)
-    await engine.start(worker_id=1)
-    try:
+    async with bridge_on(server, connect_timeout_s=5.0) as engine:
         gen = engine.generate({"token_ids": [1]}, context=Context(id="x"))
         first = await gen.__anext__()
         assert first["token_ids"] == [10]
@@ -204,8 +204,6 @@ async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
                 await collect(
                     engine, {"token_ids": [1], "annotations": ["rollout:{}"]}, Context(id="y")
                 )
-    finally:
-        await engine.cleanup()
 
 
 async def test_the_kv_event_source_subscribes_with_a_snapshot_and_cleanup_is_idempotent(

@@ -65,7 +65,7 @@ def vllm_registry() -> CollectorRegistry:
 
 @dataclasses.dataclass
 class MetricsEngine(FakeEngine):
-    """A fake engine server of revision 9 that serves GetEngineMetrics."""
+    """A fake engine server that serves GetEngineMetrics."""
 
     metrics_text: str = ""
     metrics_delay_s: float = 0.0
@@ -181,21 +181,6 @@ async def test_the_engines_series_follow_dynamos_with_the_workers_labels() -> No
         "vllm_inter_token_latency_seconds_count": 1,
         "vllm_inter_token_latency_seconds_sum": 0.05,
     }
-
-
-async def test_an_older_server_is_not_asked_and_metrics_still_answer(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    needs = engine_contract.ENGINE_METRICS_REVISION
-    engine = MetricsEngine(contract_revision=needs - 1, metrics_text="vllm:x 1\n")
-    caplog.set_level(logging.WARNING, "bridge.engine_metrics")
-    async with system_port(engine) as port:
-        answers = [await get(f"{port.url}/metrics") for _ in range(3)]
-    assert [(status, text) for status, text, _ in answers] == [(200, DYNAMO_TEXT)] * 3
-    assert engine.metrics_calls == 0
-    # Said once, not at every scrape.
-    [line] = said(caplog)
-    assert f"contract revision {needs - 1}, GetEngineMetrics needs {needs}" in line
 
 
 async def test_unimplemented_slow_or_unparsable_engines_leave_dynamos_metrics(

@@ -12,7 +12,8 @@ from dynamo.llm.exceptions import (
 )
 
 from bridge import errors
-from bridge.codec import ProtocolError, RequestError
+from bridge.codec import RequestError
+from bridge.rollout_wire import ProtocolError
 from engine_contract.retry import HTTP_RETRIED_BEYOND_THE_RULE, RETRYABLE_CODES
 from rl_client.driver import RETRYABLE_STATUSES
 

@@ -1,5 +1,6 @@
-"""The bridge's flags after the unit rule (-s, -ms, -bytes; engine_contract.flags):
-new spellings, old ones still accepted with a warning, environment variables."""
+"""The bridge's flags (the unit rule: -s, -ms, -bytes; launch.config_flags): the
+old spellings gone, environment variables, and the command line a supervisor
+writes (launch.bridge_command) read back as the same settings."""
 
 from __future__ import annotations
 
@@ -8,29 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from bridge.client import MIB, ClientOptions
+from bridge.client import ClientOptions
 from bridge.config import MODEL_FILES, BridgeConfig, build_parser, parse_args
-from engine_contract import flags
+from launch.bridge_command import BridgeLaunch, bridge_argv
 
-# old spelling -> (new spelling, value given, BridgeConfig attribute path, value expected)
-RENAMED = {
-    "--connect-timeout": ("--connect-timeout-s", "7", "connect_timeout_s", 7.0),
-    "--control-timeout": ("--control-timeout-s", "3", "client.control_timeout_s", 3.0),
-    "--abort-timeout": ("--abort-timeout-s", "2", "client.abort_timeout_s", 2.0),
-    "--engine-stall-timeout": ("--engine-stall-timeout-s", "4", "stall_timeout_s", 4.0),
-    "--rollout-timeout": ("--rollout-timeout-s", "60", "rollout_timeout_s", 60.0),
-    "--exit-after-engine-gone": (
-        "--exit-after-engine-gone-s",
-        "9",
-        "exit_after_engine_gone_s",
-        9.0,
-    ),
-}
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flags, "_warned", set())
+# Spellings from before the unit rule, removed: each is refused now.
+REMOVED = (
+    "--connect-timeout",
+    "--control-timeout",
+    "--abort-timeout",
+    "--engine-stall-timeout",
+    "--rollout-timeout",
+    "--exit-after-engine-gone",
+    "--max-message-mib",
+)
 
 
 @pytest.fixture
@@ -55,43 +47,38 @@ def bridge(model_dir: Path, *argv: str) -> BridgeConfig:
     return config
 
 
-def attr(config: object, path: str) -> object:
-    for part in path.split("."):
-        config = getattr(config, part)
-    return config
-
-
-@pytest.mark.parametrize("old", sorted(RENAMED))
-def test_old_spelling_gives_the_new_ones_value_with_a_warning(
+@pytest.mark.parametrize("old", REMOVED)
+def test_the_old_spellings_are_refused(
     model_dir: Path, old: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    new, value, path, expected = RENAMED[old]
-    assert attr(bridge(model_dir, new, value), path) == expected
-    assert capsys.readouterr().err == ""
-    assert attr(bridge(model_dir, old, value), path) == expected
-    err = capsys.readouterr().err
-    assert f"{old} is deprecated" in err and f"use {new}" in err
+    with pytest.raises(SystemExit) as exit:
+        bridge(model_dir, old, "3")
+    assert exit.value.code == 2
+    assert f"unrecognized arguments: {old} 3" in capsys.readouterr().err
 
 
-def test_the_warning_comes_once(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bridge(model_dir, "--connect-timeout", "1")
-    bridge(model_dir, "--connect-timeout", "2")
-    assert capsys.readouterr().err.count("--connect-timeout is deprecated") == 1
-
-
-def test_sizes_are_bytes_and_the_old_mib_flag_converts(
-    model_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert bridge(model_dir, "--max-message-bytes", "4096").client.max_message_bytes == 4096
-    assert bridge(model_dir, "--max-message-mib", "8").client.max_message_bytes == 8 * MIB
-    assert "--max-message-mib is deprecated" in capsys.readouterr().err
+def test_new_spellings_reach_their_fields(model_dir: Path) -> None:
+    config = bridge(
+        model_dir,
+        "--connect-timeout-s", "7",
+        "--control-timeout-s", "3",
+        "--abort-timeout-s", "2",
+        "--engine-stall-timeout-s", "4",
+        "--rollout-timeout-s", "60",
+        "--exit-after-engine-gone-s", "9",
+        "--max-message-bytes", "4096",
+    )  # fmt: skip
+    assert (config.connect_timeout_s, config.stall_timeout_s) == (7, 4)
+    assert (config.rollout_timeout_s, config.exit_after_engine_gone_s) == (60, 9)
+    assert (config.client.control_timeout_s, config.client.abort_timeout_s) == (3, 2)
+    assert config.client.max_message_bytes == 4096
 
 
 def test_zero_still_means_off(model_dir: Path) -> None:
     config = bridge(
         model_dir,
         "--engine-stall-timeout-s", "0",
-        "--rollout-timeout", "0",
+        "--rollout-timeout-s", "0",
         "--exit-after-engine-gone-s", "0",
     )  # fmt: skip
     assert (config.stall_timeout_s, config.rollout_timeout_s) == (None, None)
@@ -109,34 +96,68 @@ def test_defaults_are_the_dataclasses(model_dir: Path) -> None:
         "stall_timeout_s",
         "rollout_timeout_s",
         "exit_after_engine_gone_s",
+        "log_level",
+        "kv_events",
+        "rl_routes",
+        "enable_rl",
+        "component",
     ):
         assert getattr(config, name) == getattr(default, name), name
     assert config.client == ClientOptions()
+    # The one flag whose default is not its field's: a config built in code may
+    # name no reachable store.
+    assert config.catch_up and not default.catch_up
 
 
-def test_environment_variables_new_and_old(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_environment_variables(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BRIDGE_CONTROL_TIMEOUT_S", "12")
     monkeypatch.setenv("BRIDGE_ROLLOUT_TIMEOUT_S", "30")
-    monkeypatch.setenv("BRIDGE_MAX_MESSAGE_MIB", "2")
+    monkeypatch.setenv("BRIDGE_MAX_MESSAGE_MIB", "2")  # gone: no effect
+    monkeypatch.setenv("BRIDGE_LOG_LEVEL", "warning")
+    monkeypatch.setenv("BRIDGE_CATCH_UP", "0")
+    monkeypatch.setenv("DYN_ENABLE_RL", "true")
     config = bridge(model_dir)
     assert (config.client.control_timeout_s, config.rollout_timeout_s) == (12, 30)
-    assert config.client.max_message_bytes == 2 * MIB
-    assert "BRIDGE_MAX_MESSAGE_MIB is deprecated" in capsys.readouterr().err
-    monkeypatch.setenv("BRIDGE_MAX_MESSAGE_BYTES", "5000")  # the new name wins
+    assert config.client.max_message_bytes == ClientOptions().max_message_bytes
+    assert config.log_level == "WARNING" and not config.catch_up and config.enable_rl
+    monkeypatch.setenv("BRIDGE_MAX_MESSAGE_BYTES", "5000")
     assert bridge(model_dir).client.max_message_bytes == 5000
+    assert bridge(model_dir, "--max-message-bytes", "6000").client.max_message_bytes == 6000
 
 
-def test_help_names_the_new_spellings_only() -> None:
+def test_help_shows_each_flag_once_with_its_environment_variable() -> None:
     parser = build_parser()
     shown = {
-        option: action.help or ""
+        option: " ".join((action.help or "").split())
         for action in parser._actions
         if action.help != argparse.SUPPRESS
         for option in action.option_strings
     }
-    for old, (new, *_) in RENAMED.items():
-        assert old not in shown and f"formerly {old}" in shown[new]
-    assert "--max-message-bytes" in shown and "--max-message-mib" not in shown
+    for old in REMOVED:
+        assert old not in shown
+    assert "formerly" not in " ".join(shown.values())
+    assert "env var: BRIDGE_ENGINE_ADDRESS | default: None" in shown["--engine"]
+    assert "env var: BRIDGE_GENERATE_PACING | default: on" in shown["--generate-pacing"]
+    assert "env var: DYN_ENABLE_RL | default: False" in shown["--enable-rl"]
+    assert "env var: BRIDGE_CATCH_UP | default: True" in shown["--catch-up"]
+    assert "env var: BRIDGE_ENGINE_TLS_CA | default: None" in shown["--engine-tls-ca"]
     parser.format_help()  # every help text formats (no stray %)
+
+
+def test_a_supervisors_command_line_reads_back_as_its_settings(model_dir: Path) -> None:
+    launch = BridgeLaunch(
+        engine_address="unix:/tmp/e.sock",
+        model_path=str(model_dir),
+        served_model_name="tiny",
+        namespace="ns",
+        exit_after_engine_gone_s=2.5,
+    )
+    argv = bridge_argv("python", launch, ["--discovery-backend", "file"])
+    assert argv[:3] == ["python", "-m", "bridge"]
+    config, worker = parse_args(argv[3:])
+    for name in ("engine_address", "model_path", "served_model_name", "namespace"):
+        assert getattr(config, name) == getattr(launch, name), name
+    assert config.exit_after_engine_gone_s == 2.5 and worker.namespace == "ns"
+    # Not given: the bridge's defaults (and environment) decide.
+    bare = bridge_argv("python", BridgeLaunch(engine_address="a:1", model_path="/m"))
+    assert bare[3:] == ["--engine", "a:1", "--model-path", "/m"]

@@ -9,12 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-import engine_contract
 from bridge import metrics
 from bridge.client import ClientOptions, EngineClient
 from engine_contract.v1 import engine_pb2 as pb
 from harness.engine import InProcessServer, sim_cli_args
-from tests.bridge.bridge_fakes import FakeServer
 
 TOKENS = 60
 
@@ -101,15 +99,3 @@ async def test_unpaced_deltas_come_as_the_engine_makes_them(sim: InProcessServer
         assert delivered >= 2 * chunks
     finally:
         await client.close()
-
-
-async def test_a_server_before_revision_6_is_not_asked_to_pace() -> None:
-    async with FakeServer() as server:
-        server.engine.contract_revision = engine_contract.PACED_GENERATES_REVISION - 1
-        client = await client_for(server.address, paced=True)
-        try:
-            assert not client.paced_generates
-            deltas = [d async for d in client.stream_generate(completion("old"))]
-            assert [t for d in deltas for t in d.token_ids] == [10, 11, 12, 13]
-        finally:
-            await client.close()

@@ -23,10 +23,10 @@ from bridge.admin.instance_alias import (
 CARRIER = {
     "type": "Endpoint",
     "component": "backend_rl",
-    "endpoint": "rl",
+    "endpoint": "carrier",
     "namespace": "ns-1",
     "instance_id": 0xABC,
-    "transport": {"tcp": "127.0.0.1:4000/abc/ns-1/backend_rl/rl"},
+    "transport": {"tcp": "127.0.0.1:4000/abc/ns-1/backend_rl/carrier"},
     "request_plane_codec": "msgpack",
 }
 
@@ -40,8 +40,12 @@ def test_file_names_are_dynamos() -> None:
 
 
 def test_the_alias_keeps_the_transport_and_takes_the_worker_id() -> None:
+    """The carrier's path stays in the transport (its server answers there); the
+    record says ``rl`` so that a frontend listing rl endpoints finds the worker,
+    and only the worker: the carrier's own record is not an ``rl`` endpoint."""
     alias = aliased(CARRIER, "backend", 0x123)
-    assert alias == {**CARRIER, "component": "backend", "instance_id": 0x123}
+    assert alias == {**CARRIER, "component": "backend", "endpoint": "rl", "instance_id": 0x123}
+    assert instance_alias.CARRIER_ENDPOINT != "rl"
     with pytest.raises(ValueError, match="not a Dynamo instance record"):
         aliased({"instance_id": "x"}, "backend", 1)
 
@@ -70,7 +74,7 @@ async def test_published_renewed_restored_and_withdrawn_in_the_file_store(
     publishing = asyncio.create_task(alias.publish(timeout_s=5))
     await asyncio.sleep(0.2)
     assert not publishing.done()  # waits for the carrier's own record
-    (folder / file_name("ns-1/backend_rl/rl/abc")).write_text(json.dumps(CARRIER))
+    (folder / file_name("ns-1/backend_rl/carrier/abc")).write_text(json.dumps(CARRIER))
     await publishing
     path = folder / file_name("ns-1/backend/rl/123")
     assert json.loads(path.read_text()) == aliased(CARRIER, "backend", 0x123)

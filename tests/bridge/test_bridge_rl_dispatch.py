@@ -19,12 +19,12 @@ import grpc
 import pytest
 from aiohttp import web
 
-from bridge.admin.rl_admin import INIT_TIMEOUT_ENV
+from bridge.admin.weight_transfer import INIT_TIMEOUT_ENV
+from bridge.tagged_mux import rpc_error
 from engine_contract.refit_rules import PHASE_ORDER, PhaseRefusal
 from engine_contract.v1 import engine_pb2 as pb
-from rl_client.refit_rpc import RefitRpc
 from rl_client.weight_sync import DynamoWeightSyncClient, RouteError
-from tests.bridge.bridge_fakes import rl_admin, serve_loopback
+from tests.bridge.bridge_fakes import rl_admin, scripted_refit, serve_loopback
 
 NEMO_FLAGS = {"allow_unpaused": True, "reset_prefix_cache": False}
 INIT_INFO = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
@@ -34,10 +34,6 @@ UPDATE_INFO = {
     "shapes": [[4, 8], [8]],
     "packed": True,
 }
-
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class Engine:
@@ -52,7 +48,7 @@ class Engine:
         self.in_progress = False
         self.version = "default"
         self.hang_init = False
-        self.refit = RefitRpc(_Stub(self))  # type: ignore[arg-type]
+        self.refit = scripted_refit(self)
 
     @property
     def rpcs(self) -> list[str]:
@@ -67,13 +63,13 @@ class Engine:
             return pb.IsPausedResponse(paused=self.paused)
         if method == "StartWeightUpdate":
             if self.in_progress:
-                raise _error(
+                raise rpc_error(
                     grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.ALREADY_STARTED.value
                 )
             self.in_progress = True
         elif method in ("UpdateWeights", "FinishWeightUpdate"):
             if not self.in_progress:
-                raise _error(grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.NOT_STARTED.value)
+                raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.NOT_STARTED.value)
             if method == "FinishWeightUpdate":
                 self.in_progress = False
                 if request.HasField("weight_version"):
@@ -85,17 +81,6 @@ class Engine:
         elif method == "ShutdownWeightTransferEngine":
             self.in_progress = False
         return None
-
-
-class _Stub:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, method: str) -> Any:
-        async def call(request: Any, timeout: float | None = None) -> Any:
-            return await self._engine.handle(method, request)
-
-        return call
 
 
 def _json_of(raw: bytes) -> Any:

@@ -10,13 +10,10 @@ import grpc
 import pytest
 from dynamo._core import Context
 
-import engine_contract
-from bridge.client import EngineClient, IncompatibleServerError
-from bridge.config import BridgeConfig
-from bridge.engine import BridgeEngine
+from bridge.client import EngineClient
 from engine_contract.v1 import engine_pb2 as pb
 from harness.waits import wait_until_async
-from tests.bridge.bridge_fakes import FakeEngine, FakeServer
+from tests.bridge.bridge_fakes import FakeEngine, FakeServer, bridge_on
 
 
 def rollout(request_id: str, *prompt: int) -> pb.RolloutRequest:
@@ -136,35 +133,14 @@ async def test_lost_server_fails_waiting_rollouts_unavailable_then_reconnects() 
 
 
 @pytest.mark.parametrize(
-    ("revision", "transport", "streamed"),
-    [(2, "auto", True), (1, "auto", False), (2, "unary", False), (2, "stream", True)],
+    ("transport", "streamed"), [("auto", True), ("stream", True), ("unary", False)]
 )
-async def test_bridge_streams_rollouts_when_the_server_serves_them(
-    revision: int, transport: str, streamed: bool
+async def test_the_transport_flag_chooses_how_rollouts_travel(
+    transport: str, streamed: bool
 ) -> None:
-    async with FakeServer(FakeEngine(contract_revision=revision)) as server:
-        engine = BridgeEngine(
-            BridgeConfig(
-                engine_address=server.address, model_path="/m", rollout_transport=transport
-            )
-        )
-        await engine.start(worker_id=1)
-        try:
-            request = {"token_ids": [4, 5], "annotations": ['rollout:{"greedy":true}']}
-            chunks = [c async for c in engine.generate(request, context=Context(id="t"))]
-            assert chunks[0]["engine_data"]["rollout"]["token_ids"] == [5, 6]
-            assert server.engine.streamed_rollouts == (1 if streamed else 0)
-            assert len(server.engine.rollouts) == 1
-        finally:
-            await engine.cleanup()
-
-
-async def test_bridge_that_must_stream_refuses_a_revision_1_server() -> None:
-    assert engine_contract.ROLLOUTS_STREAM_REVISION == 2
-    async with FakeServer(FakeEngine(contract_revision=1)) as server:
-        engine = BridgeEngine(
-            BridgeConfig(engine_address=server.address, model_path="/m", rollout_transport="stream")
-        )
-        with pytest.raises(IncompatibleServerError, match="--rollout-transport"):
-            await engine.start(worker_id=1)
-        await engine.cleanup()
+    async with FakeServer() as server, bridge_on(server, rollout_transport=transport) as engine:
+        request = {"token_ids": [4, 5], "annotations": ['rollout:{"greedy":true}']}
+        chunks = [c async for c in engine.generate(request, context=Context(id="t"))]
+        assert chunks[0]["engine_data"]["rollout"]["token_ids"] == [5, 6]
+        assert server.engine.streamed_rollouts == (1 if streamed else 0)
+        assert len(server.engine.rollouts) == 1

@@ -12,12 +12,11 @@ import pytest
 from dynamo._core import Context
 
 from bridge import codec
-from bridge.codec import ProtocolError
-from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
+from bridge.rollout_wire import ProtocolError
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client import wire
-from tests.bridge.bridge_fakes import FakeServer
+from tests.bridge.bridge_fakes import FakeServer, bridge_on
 from tests.bridge.test_bridge_codec import completion_request
 
 # What Dynamo 1.6.1's preprocessor passes on for a chat request whose nvext asks for
@@ -132,13 +131,8 @@ def test_the_reader_returns_the_bundle() -> None:
 
 @pytest.fixture
 async def bridge() -> AsyncIterator[tuple[FakeServer, BridgeEngine]]:
-    async with FakeServer() as server:
-        engine = BridgeEngine(
-            BridgeConfig(engine_address=server.address, model_path="/m", connect_timeout_s=5)
-        )
-        await engine.start(worker_id=1)
+    async with FakeServer() as server, bridge_on(server, connect_timeout_s=5) as engine:
         yield server, engine
-        await engine.cleanup()
 
 
 async def chunks_of(engine: BridgeEngine, request: dict[str, Any], ctx: str) -> list[dict]:

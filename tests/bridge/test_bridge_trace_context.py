@@ -10,10 +10,8 @@ from typing import Any
 import pytest
 from dynamo._core import Context
 
-from bridge.config import BridgeConfig
-from bridge.engine import BridgeEngine
 from engine_contract.trace import MAX_TRACE_VALUE_CHARS
-from tests.bridge.bridge_fakes import FakeServer
+from tests.bridge.bridge_fakes import FakeServer, bridge_on
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -44,16 +42,9 @@ CASES = [
 @pytest.mark.parametrize(("kind", "transport"), CASES)
 async def test_trace_context_reaches_the_engine_server(kind: str, transport: str) -> None:
     async with FakeServer() as server:
-        engine = BridgeEngine(
-            BridgeConfig(
-                engine_address=server.address,
-                model_path="/m",
-                rollout_transport=transport,
-                generate_transport=transport,
-            )
-        )
-        await engine.start(worker_id=1)
-        try:
+        async with bridge_on(
+            server, rollout_transport=transport, generate_transport=transport
+        ) as engine:
             request: dict[str, Any] = {"token_ids": [4, 5], "stop_conditions": {"max_tokens": 2}}
             if kind == "rollout":
                 request["annotations"] = ['rollout:{"greedy":true}']
@@ -66,8 +57,6 @@ async def test_trace_context_reaches_the_engine_server(kind: str, transport: str
                 context: Any = TracedContext(context_id, given)
                 chunks = [c async for c in engine.generate(dict(request), context=context)]
                 assert chunks, context_id
-        finally:
-            await engine.cleanup()
         streamed = transport == "stream"
         fake = server.engine
         assert (fake.streamed_rollouts if kind == "rollout" else fake.generate_streams) == (

@@ -1,42 +1,46 @@
 """A rollout's required weight version (contract revision 8) on the bridge's side:
 the driver puts it in the ``rollout:`` annotation, the bridge carries it into the
-RolloutRequest (on the stream and on unary calls), never sends it to an engine
-server that would ignore it, passes the engine's refusal on as migratable, and
-names the weight-change end in the wire form."""
+RolloutRequest (on the stream and on unary calls), passes the engine's refusal on
+as migratable, and names the weight-change end in the wire form."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import grpc
 import pytest
 from aiohttp import web
-from dynamo._core import Context
 from dynamo.llm.exceptions import Disconnected
 
-import engine_contract
 from bridge import codec
 from bridge.codec import RequestError
-from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
 from bridge.errors import MIGRATABLE
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client import driver, wire
-from tests.bridge.bridge_fakes import FakeEngine, FakeServer, fake_frontend, frontend_body
+from rl_client.annotation import RolloutSpec
+from tests.bridge.bridge_fakes import (
+    FakeServer,
+    annotated_chunks,
+    bridge_on,
+    fake_frontend,
+    frontend_body,
+)
 
 GUARDED = 'rollout:{"greedy":true,"weight_version":"step-7"}'
 
 
 def test_the_annotation_carries_the_version_into_the_rollout_request() -> None:
     spec = codec.parse_request_kind([GUARDED])
-    assert spec == codec.RolloutSpec(greedy=True, weight_version="step-7")
+    assert spec == RolloutSpec(greedy=True, weight_version="step-7")
     request = {"token_ids": [5, 6], "stop_conditions": {"max_tokens": 3}}
     message = codec.build_rollout_request("r", request, spec)
     assert message.HasField("required_weight_version")
     assert message.required_weight_version == "step-7"
-    unguarded = codec.build_rollout_request("r", request, codec.RolloutSpec())
+    unguarded = codec.build_rollout_request("r", request, RolloutSpec())
     assert not unguarded.HasField("required_weight_version")
 
 
@@ -75,22 +79,10 @@ def test_the_weight_change_end_has_its_own_wire_name() -> None:
 # -- through the bridge to a fake engine server --------------------------------------
 
 
-async def collect(engine: BridgeEngine, annotation: str, ctx: str) -> list[dict[str, Any]]:
-    request = {"token_ids": [5, 6, 7], "annotations": [annotation]}
-    return [chunk async for chunk in engine.generate(request, context=Context(id=ctx))]
-
-
-async def started(server: FakeServer, transport: str = "auto") -> BridgeEngine:
-    engine = BridgeEngine(
-        BridgeConfig(
-            engine_address=server.address,
-            model_path="/m",
-            connect_timeout_s=5,
-            rollout_transport=transport,
-        )
-    )
-    await engine.start(worker_id=1)
-    return engine
+def started(
+    server: FakeServer, transport: str = "auto"
+) -> AbstractAsyncContextManager[BridgeEngine]:
+    return bridge_on(server, connect_timeout_s=5, rollout_transport=transport)
 
 
 @pytest.fixture
@@ -103,13 +95,10 @@ async def fake() -> AsyncIterator[FakeServer]:
 async def test_the_bridge_carries_the_version_to_the_engine_server(
     fake: FakeServer, transport: str
 ) -> None:
-    engine = await started(fake, transport)
-    try:
-        chunks = await collect(engine, GUARDED, "c1")
+    async with started(fake, transport) as engine:
+        chunks = await annotated_chunks(engine, GUARDED, "c1")
         assert chunks[-1]["engine_data"]["rollout"]["token_ids"] == [6, 7, 8]
-        await collect(engine, 'rollout:{"greedy":true}', "c2")
-    finally:
-        await engine.cleanup()
+        await annotated_chunks(engine, 'rollout:{"greedy":true}', "c2")
     guarded, unguarded = fake.engine.rollouts
     assert guarded.required_weight_version == "step-7"
     assert not unguarded.HasField("required_weight_version")
@@ -124,27 +113,10 @@ async def test_an_engine_servers_refusal_is_migratable_and_names_the_versions(
         "server serves 'step-8'; nothing was generated"
     )
     fake.engine.fail_with = (grpc.StatusCode.ABORTED, refusal)
-    engine = await started(fake)
-    try:
+    async with started(fake) as engine:
         with pytest.raises(Disconnected) as refused:
-            await collect(engine, GUARDED, "c1")
-    finally:
-        await engine.cleanup()
+            await annotated_chunks(engine, GUARDED, "c1")
     assert isinstance(refused.value, MIGRATABLE) and refusal in str(refused.value)
-
-
-async def test_no_guarded_rollout_reaches_a_server_that_would_ignore_the_version() -> None:
-    old = FakeEngine(contract_revision=engine_contract.WEIGHT_GUARD_REVISION - 1)
-    async with FakeServer(old) as server:
-        engine = await started(server)
-        try:
-            with pytest.raises(Disconnected, match="cannot hold a rollout to a weight version"):
-                await collect(engine, GUARDED, "c1")
-            assert old.rollouts == []
-            # Unguarded rollouts it serves as before.
-            assert (await collect(engine, "rollout:{}", "c2"))[-1]["finish_reason"] == "length"
-        finally:
-            await engine.cleanup()
 
 
 # -- the driver -------------------------------------------------------------------------

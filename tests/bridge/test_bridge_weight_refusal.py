@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from aiohttp import web
-from dynamo._core import Context
 from dynamo.llm.exceptions import Disconnected
 
 from bridge import codec, weight_refusal
-from bridge.config import BridgeConfig
 from bridge.engine import BridgeEngine
 from bridge.errors import MIGRATABLE
 from bridge.tagged_mux import rpc_error
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import WeightVersionMismatch
+from harness.engine import refit_state
 from rl_client import driver, wire
 from rl_client.committed import (
     CheckpointSource,
@@ -30,7 +30,13 @@ from rl_client.committed import (
     CommittedWeights,
     FileCommittedStore,
 )
-from tests.bridge.bridge_fakes import FakeEngine, FakeServer, fake_frontend
+from tests.bridge.bridge_fakes import (
+    FakeEngine,
+    FakeServer,
+    annotated_chunks,
+    bridge_on,
+    fake_frontend,
+)
 
 NAMESPACE = "nsrefusal"
 GUARDED = 'rollout:{"greedy":true,"weight_version":"step-7"}'
@@ -48,12 +54,8 @@ def record(version: str) -> CommittedRecord:
 def state(
     version: str, *, declared: bool = True, paused: bool = False, sleeping: bool = False
 ) -> pb.RefitState:
-    return pb.RefitState(
-        weight_version=version,
-        weight_version_declared=declared,
-        paused=paused,
-        sleeping=sleeping,
-    )
+    """An engine serving ``version``, declared by a refit unless said otherwise."""
+    return refit_state(version, declared, paused=paused, sleeping=sleeping)
 
 
 # -- the rules ------------------------------------------------------------------------
@@ -185,36 +187,26 @@ async def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
         yield server
 
 
-async def started(server: FakeServer, transport: str, catch_up: bool = True) -> BridgeEngine:
-    engine = BridgeEngine(
-        BridgeConfig(
-            engine_address=server.address,
-            model_path="/m",
-            connect_timeout_s=5,
-            rollout_transport=transport,
-            namespace=NAMESPACE,
-            discovery_backend="file",
-            catch_up=catch_up,
-        )
+def started(
+    server: FakeServer, transport: str, catch_up: bool = True
+) -> AbstractAsyncContextManager[BridgeEngine]:
+    """A bridge reading the committed record from the file store (catch-up on)."""
+    return bridge_on(
+        server,
+        connect_timeout_s=5,
+        rollout_transport=transport,
+        namespace=NAMESPACE,
+        discovery_backend="file",
+        catch_up=catch_up,
     )
-    await engine.start(worker_id=1)
-    return engine
-
-
-async def collect(engine: BridgeEngine, annotation: str = GUARDED) -> list[dict[str, Any]]:
-    request = {"token_ids": [5, 6, 7], "annotations": [annotation]}
-    return [chunk async for chunk in engine.generate(request, context=Context(id="c1"))]
 
 
 @pytest.mark.parametrize("transport", ["stream", "unary"])
 async def test_the_bridge_answers_a_refusal_for_good_with_the_versions(
     fake: FakeServer, transport: str
 ) -> None:
-    engine = await started(fake, transport)
-    try:
-        (chunk,) = await collect(engine)
-    finally:
-        await engine.cleanup()
+    async with started(fake, transport) as engine:
+        (chunk,) = await annotated_chunks(engine, GUARDED)
     refusal = wire.decode_refusal(chunk["engine_data"][wire.REFUSAL_KEY])
     assert not refusal.retryable
     assert (refusal.required, refusal.serving, refusal.committed) == ("step-7", "step-8", "step-8")
@@ -222,12 +214,9 @@ async def test_the_bridge_answers_a_refusal_for_good_with_the_versions(
 
 
 async def test_the_bridge_answers_a_refusal_during_a_refit_as_retryable(fake: FakeServer) -> None:
-    engine = await started(fake, "stream")
-    try:
+    async with started(fake, "stream") as engine:
         fake.engine.refit_state = state("step-8", paused=True)
-        (chunk,) = await collect(engine)
-    finally:
-        await engine.cleanup()
+        (chunk,) = await annotated_chunks(engine, GUARDED)
     refusal = wire.decode_refusal(chunk["engine_data"][wire.REFUSAL_KEY])
     assert refusal.retryable and "paused for a refit" in refusal.message
 
@@ -238,12 +227,9 @@ async def test_without_a_record_or_catch_up_the_refusal_stays_migratable(
     for catch_up in (False, True):
         if catch_up:
             FileCommittedStore(tmp_path, NAMESPACE).delete()
-        engine = await started(fake, "stream", catch_up=catch_up)
-        try:
+        async with started(fake, "stream", catch_up=catch_up) as engine:
             with pytest.raises(Disconnected) as refused:
-                await collect(engine)
-        finally:
-            await engine.cleanup()
+                await annotated_chunks(engine, GUARDED)
         assert isinstance(refused.value, MIGRATABLE) and REFUSED in str(refused.value)
     # Without catch-up the engine's state was not even asked.
     assert fake.engine.loads == 1
@@ -251,12 +237,9 @@ async def test_without_a_record_or_catch_up_the_refusal_stays_migratable(
 
 async def test_other_failures_of_a_guarded_rollout_go_on_as_before(fake: FakeServer) -> None:
     fake.engine.fail_with = (grpc.StatusCode.ABORTED, "aborted by PauseGeneration(ABORT)")
-    engine = await started(fake, "stream")
-    try:
+    async with started(fake, "stream") as engine:
         with pytest.raises(Disconnected, match="PauseGeneration"):
-            await collect(engine)
-    finally:
-        await engine.cleanup()
+            await annotated_chunks(engine, GUARDED)
     assert fake.engine.loads == 0
 
 

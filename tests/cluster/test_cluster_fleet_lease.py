@@ -31,7 +31,7 @@ from rl_client.committed import (
 )
 from rl_client.fleet_lease import LeaseHeld, LeaseLost
 from rl_client.refit import EngineRefitClient
-from tests.unit.test_fleet_refit import Faulty
+from tests.rl_client.test_fleet_refit import Faulty
 
 pytestmark = [
     pytest.mark.cluster,

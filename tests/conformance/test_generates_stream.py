@@ -8,16 +8,9 @@ import asyncio
 import grpc
 import pytest
 
-import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from harness.engine import idle, wait_load_async
 from tests.conformance.common import StreamResult, collect, long_generate, make_prompt, new_id
-
-
-@pytest.fixture(autouse=True)
-def _serves_generates(server_info: pb.GetServerInfoResponse) -> None:
-    if server_info.contract_revision < engine_contract.GENERATES_STREAM_REVISION:
-        pytest.skip(f"contract revision {server_info.contract_revision} has no Generates")
 
 
 def greedy(info: pb.GetServerInfoResponse, seed: int, max_tokens: int = 20) -> pb.GenerateRequest:
@@ -161,8 +154,6 @@ async def test_ending_the_stream_aborts_its_completions(stub, server_info) -> No
 async def test_a_paced_completion_waits_to_be_taken_and_loses_nothing(stub, server_info) -> None:  # type: ignore[no-untyped-def]
     """Revision 6: after a paced completion's delta, the next comes only once the
     client names the tag in ``taken``; the deltas still add up to Generate's."""
-    if server_info.contract_revision < engine_contract.PACED_GENERATES_REVISION:
-        pytest.skip(f"contract revision {server_info.contract_revision} does not pace")
     requests = {tag: greedy(server_info, seed=20 + tag) for tag in (1, 2, 3)}
     call = stub.Generates()
     await call.write(

@@ -123,11 +123,6 @@ async def test_a_rollout_with_no_room_to_generate_finishes_empty_by_length(
         request = rollout(server_info, length=context)
     else:
         request = rollout(server_info, length=context + 7)
-        if server_info.contract_revision < 3:  # refused before revision 3
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Rollout(request)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            return
     answer = await stub.Rollout(request)
     assert list(answer.token_ids) == [] and list(answer.logprobs) == []
     assert answer.finish_reason == pb.FINISH_REASON_LENGTH and not answer.truncated

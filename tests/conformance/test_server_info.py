@@ -32,7 +32,9 @@ def test_server_info_describes_engine_and_contract(server_info: pb.GetServerInfo
 
 
 async def test_instance_id_is_stable_within_a_process(stub, server_info) -> None:  # type: ignore[no-untyped-def]
-    again = await stub.GetServerInfo(pb.GetServerInfoRequest(client_revision=1))
+    again = await stub.GetServerInfo(
+        pb.GetServerInfoRequest(client_revision=engine_contract.CONTRACT_REVISION)
+    )
     assert again.instance_id == server_info.instance_id
 
 

@@ -20,7 +20,6 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from engine_contract import WEIGHT_GUARD_REVISION
 from engine_contract.retry import is_retryable
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
@@ -45,7 +44,6 @@ class Guarded:
 
 @pytest_asyncio.fixture
 async def guarded(stub, server_info) -> AsyncIterator[Guarded]:  # type: ignore[no-untyped-def]
-    assert server_info.contract_revision >= WEIGHT_GUARD_REVISION
     version = (await stub.GetWeightVersion(pb.GetWeightVersionRequest())).weight_version
     state = Guarded(stub, server_info, version)
     try:

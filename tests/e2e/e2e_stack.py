@@ -12,7 +12,7 @@ import pytest
 
 from engine_contract.v1 import engine_pb2 as pb
 from harness.engine import long_sim_args
-from harness.env import importable
+from harness.env import importable, token_in_token_out_env
 from harness.procs import ProcessGroup
 from harness.stack import Stack
 from rl_client import driver
@@ -54,7 +54,7 @@ def start_stack(root: Path, model_dir: Path, group: ProcessGroup) -> Stack:
         stack.start_bridge(
             f"bridge-{model}", address, *BRIDGE_ARGS, model=model, namespace=f"ns-{model}"
         )
-    stack.start_frontend()
+    stack.start_frontend(env=token_in_token_out_env())  # also /inference/v1/generate
     stack.wait_models([MODEL, LONG_MODEL], timeout=60)
     return stack
 

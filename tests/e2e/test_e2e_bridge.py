@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine_contract.v1 import engine_pb2 as pb
-from harness.engine import load
+from harness.engine import load, prompt_of
 from harness.http import http_json, open_sse_stream
 from harness.stack import Stack
 from harness.waits import wait_until
@@ -19,10 +19,6 @@ from rl_client import driver
 from tests.e2e.e2e_stack import LONG_MODEL, assert_same, bridged_rollout, direct_rollout
 
 pytestmark = pytest.mark.dynamo
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    return [(seed * 131 + i * 17) % 1000 + 3 for i in range(n)]
 
 
 @pytest.mark.parametrize("greedy", [True, False])

@@ -31,7 +31,7 @@ def test_bridge_without_an_engine_server_exits_with_a_clear_message(
             MODEL,
             "nobody",
             {**env, **blocking_env("vllm", "torch")},
-            "--connect-timeout",
+            "--connect-timeout-s",
             "1",
         )
         assert bridge.popen.wait(60) == 1

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from harness.engine import prompt_of
 from harness.env import importable
 from harness.http import served_models
 from harness.procs import Proc, ProcessGroup
@@ -161,7 +162,7 @@ def test_only_the_leader_serves(stack: Stack) -> None:
 async def test_a_hosted_asyncllm_serves_exactly_what_it_generates_directly(stack: Stack) -> None:
     host = start_host(stack, "hosted", "vllm", timeout=240)
     stack.wait_models(["hosted"], timeout=120)
-    prompts = [[(s * 131 + i * 17) % 1000 + 3 for i in range(6 + s)] for s in range(5)]
+    prompts = [prompt_of(6 + s, seed=s) for s in range(5)]
     through = [await rollout(stack, "hosted", p) for p in prompts]
     host.status_path.with_suffix(".direct").write_text(
         json.dumps({"prompts": prompts, "max_tokens": 16})

@@ -29,7 +29,7 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
-from harness.engine import load
+from harness.engine import load, prompt_of
 from harness.env import frontend_maps_worker_errors
 from harness.http import http_json
 from harness.nemo_rl import ready_fleet
@@ -39,8 +39,8 @@ from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
 from rl_client import driver
 from rl_client.committed import CheckpointSource, CommittedWeights
-from rl_client.fleet_cycle import Outcome, RefitError
 from rl_client.refit import RefitClient
+from rl_client.refit_report import Outcome, RefitError
 
 pytestmark = pytest.mark.dynamo
 
@@ -81,10 +81,6 @@ def refit_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> It
                 pb_grpc.EngineServiceStub(channel),
                 weights_b,
             )
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    return [(seed * 131 + i * 17) % 1000 + 3 for i in range(n)]
 
 
 def route(rs: RefitStack, name: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:

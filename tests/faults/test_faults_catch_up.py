@@ -50,9 +50,9 @@ from harness.stack import Stack, registered_workers
 from harness.waits import wait_until, wait_until_async
 from rl_client.committed import CheckpointSource, FileCommittedStore, PushedSource
 from rl_client.driver import RetryPolicy, RolloutClient, RolloutResult
-from rl_client.fleet_cycle import Deadlines
 from rl_client.keeper import WeightKeeper
 from rl_client.refit import EngineRefitClient
+from rl_client.refit_report import Deadlines
 from tests.faults.faults_common import prompt, record
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]

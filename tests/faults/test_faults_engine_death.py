@@ -18,7 +18,7 @@ import pytest
 
 from harness.engine import load, wait_load
 from harness.env import health_env
-from harness.http import Outcome, http_json, post_rollout, post_stream, stream_body
+from harness.http import HttpOutcome, http_json, post_rollout, post_stream, stream_body
 from harness.ports import free_port, free_system_port
 from harness.procs import ProcessGroup
 from harness.stack import KV_ROUTER_ARGS, Stack
@@ -86,7 +86,7 @@ async def test_engine_server_killed_with_requests_in_flight(
 
             engine.kill()
             killed = time.monotonic()
-            outcomes: list[Outcome] = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            outcomes: list[HttpOutcome] = await asyncio.wait_for(asyncio.gather(*tasks), 30)
             ended = max(o.ended for o in outcomes) - killed
             rollouts, streams = outcomes[:IN_FLIGHT_ROLLOUTS], outcomes[IN_FLIGHT_ROLLOUTS:]
             assert all(500 <= o.status < 600 for o in rollouts), [

@@ -40,8 +40,8 @@ from rl_client.committed import (
     EtcdCommittedStore,
     FileCommittedStore,
 )
-from rl_client.fleet_cycle import Deadlines, Outcome, RefitError, RefitReport
 from rl_client.refit import EngineRefitClient, RefitClient
+from rl_client.refit_report import Deadlines, Outcome, RefitError, RefitReport
 from tests.faults.faults_common import prompt, record
 
 pytestmark = [pytest.mark.slow]

@@ -50,9 +50,9 @@ from rl_client.committed import (
     CommittedWeights,
     FileCommittedStore,
 )
-from rl_client.fleet_cycle import Deadlines, RefitError
 from rl_client.fleet_lease import LeaseHeld
 from rl_client.refit import EngineRefitClient, RefitClient
+from rl_client.refit_report import Deadlines, RefitError
 from tests.faults.faults_common import prompt, record
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamo]

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from harness.engine import idle, wait_load
-from harness.http import Outcome, post_rollout, served_models
+from harness.http import HttpOutcome, post_rollout, served_models
 from harness.procs import ProcessGroup, group_alive
 from harness.stack import Stack
 from harness.waits import wait_until
@@ -36,7 +36,7 @@ SHORT, LONG = 25, 1500
 
 async def start_rollouts(
     session: aiohttp.ClientSession, base: str, address: str, longs: int
-) -> tuple[list[asyncio.Task[Outcome]], list[asyncio.Task[Outcome]]]:
+) -> tuple[list[asyncio.Task[HttpOutcome]], list[asyncio.Task[HttpOutcome]]]:
     """8 rollouts that end well within the grace period and ``longs`` that never do,
     all running in the engine when this returns (but short ones that already ended:
     on a slow machine the first may end before the last arrives)."""

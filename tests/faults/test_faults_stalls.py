@@ -6,7 +6,7 @@
 - An engine server paused under its bridge: the bridge's health watch takes the
   worker out of the router's pool, new requests fail fast (HTTP 503) instead of
   hanging, the requests that were waiting on it fail with a retryable status
-  once ``--engine-stall-timeout`` passes, and after SIGCONT the worker rejoins
+  once ``--engine-stall-timeout-s`` passes, and after SIGCONT the worker rejoins
   and serves.
 """
 
@@ -174,7 +174,7 @@ async def test_paused_engine_server_fails_requests_fast_and_rejoins(
         stack = Stack.new(tmp_path, group, model_dir, "tiny-paused-engine")
         engine, address = stack.start_engine("engine", *LONG_SIM_ARGS)
         bridge = stack.start_bridge(
-            "bridge", address, "--engine-stall-timeout", f"{STALL_TIMEOUT_S:g}"
+            "bridge", address, "--engine-stall-timeout-s", f"{STALL_TIMEOUT_S:g}"
         )
         stack.start_frontend()
         stack.wait_serving()

@@ -1,7 +1,8 @@
 """Engine servers swapped in place: a new instance at the bridge's address is re-read
-and served (another backend, another contract revision) when it fits what the
-worker registered with Dynamo, and refused loudly (out of the router's pool)
-when it does not; the frontend is never restarted.
+and served (another backend, another supported contract revision) when it fits
+what the worker registered with Dynamo, and refused loudly (out of the router's
+pool) when it does not (another shape, a revision older than the supported
+two); the frontend is never restarted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
 from rl_client import driver
 from tests.faults.faults_common import record
-from tests.faults.test_faults_version_skew import SKEWED, skew
+from tests.faults.test_faults_version_skew import OLDEST_SERVER, SKEWED, skew
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
@@ -76,16 +77,31 @@ def test_replacements_that_fit_are_served_and_others_refused(
     with ProcessGroup(tmp_path / "logs") as group:
         stack, engine, bridge, first = sim_stack(tmp_path, group, model_dir, listen)
 
-        # A revision-1 server (no Rollouts stream) at the same address.
+        # A server of the oldest supported revision at the same address: served.
         engine.kill()
         engine, _ = stack.start_engine(
-            "sim-rev1", *SHAPE, listen=listen, env=skew(1), launcher=SKEWED
+            "sim-oldest", *SHAPE, listen=listen, env=skew(OLDEST_SERVER), launcher=SKEWED
         )
-        second, rev1_s = served_by_new(stack, bridge, first)
+        second, oldest_s = served_by_new(stack, bridge, first)
         log = bridge.log_tail(100_000)
-        assert ", contract 1, rollouts one call each, completions one call each)" in log, log[
-            -3000:
-        ]
+        assert f", contract {OLDEST_SERVER}, rollouts multiplexed" in log, log[-3000:]
+
+        # One older than that: refused, out of the pool.
+        engine.kill()
+        engine, _ = stack.start_engine(
+            "sim-too-old", *SHAPE, listen=listen, env=skew(OLDEST_SERVER - 1), launcher=SKEWED
+        )
+        refusal = (
+            f"implements contract revision {OLDEST_SERVER - 1}, but this bridge needs at least "
+            f"revision {OLDEST_SERVER}: upgrade the engine server"
+        )
+        wait_until(lambda: refusal in bridge.log_tail(100_000), 20, "refusal logged", [bridge])
+        wait_until(
+            lambda: registered_workers(stack.kv_dir, stack.namespace) == 0,
+            10,
+            "out of the pool",
+            [bridge],
+        )
 
         # One that does not fit the registration (another KV block size): refused.
         engine.kill()
@@ -119,7 +135,7 @@ def test_replacements_that_fit_are_served_and_others_refused(
         assert bridge.alive()
         record(
             "engine_swap",
-            revision1_served_after_s=round(rev1_s, 2),
+            oldest_revision_served_after_s=round(oldest_s, 2),
             fitting_served_again_after_s=round(back_s, 2),
         )
 

@@ -14,8 +14,8 @@ import pytest
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
 from harness.engine import InProcessServer, sim_cli_args
 from harness.tiny_model import tiny_model_dir
-from rl_client.fleet_cycle import RefitError
 from rl_client.refit import EngineRefitClient
+from rl_client.refit_report import RefitError
 from rl_client.refit_rpc import RefitRpc
 from rl_client.tls import TlsOptions
 from rl_client.weight_sync import ContractWeightSyncClient

@@ -48,7 +48,7 @@ def test_calls_server_info_and_health(address: str) -> None:
     info = json.loads(
         buf_curl(
             "-d",
-            '{"client_revision": 1}',
+            json.dumps({"client_revision": engine_contract.CONTRACT_REVISION}),
             f"http://{address}/engine_contract.v1.EngineService/GetServerInfo",
         )
     )

@@ -180,17 +180,21 @@ def test_port_in_use_is_a_clear_error() -> None:
         server.stop()
 
 
-def test_old_client_revision_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_contract, "MINIMUM_CLIENT_REVISION", 5)
+def test_a_client_older_than_the_window_is_refused() -> None:
+    oldest = engine_contract.MINIMUM_CLIENT_REVISION
     server = inproc().start()
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
             with pytest.raises(grpc.RpcError) as err:
-                stub.GetServerInfo(pb.GetServerInfoRequest(client_revision=4), timeout=5)
+                stub.GetServerInfo(pb.GetServerInfoRequest(client_revision=oldest - 1), timeout=5)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "client_revision 4" in err.value.details()
-            info = stub.GetServerInfo(pb.GetServerInfoRequest(client_revision=5), timeout=5)
-            assert info.minimum_client_revision == 5
+            assert f"client_revision {oldest - 1} is older than this server accepts" in (
+                err.value.details() or ""
+            )
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(client_revision=oldest), timeout=5)
+            assert info.minimum_client_revision == oldest
+            # A client that states no revision (0) is served.
+            assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).instance_id
     finally:
         server.stop()

@@ -14,8 +14,9 @@ import grpc
 import pytest
 
 from bridge import catch_up
-from bridge.catch_up import Action, CatchUp, Outcome, decide
+from bridge.catch_up import Action, CatchUp, CatchUpOutcome, decide
 from engine_contract.v1 import engine_pb2 as pb
+from harness.engine import refit_state
 from harness.waits import wait_until_async
 from rl_client.committed import CheckpointSource, CommittedRecord, CommittedWeights, PushedSource
 
@@ -28,31 +29,16 @@ def record(
     return CommittedRecord(CommittedWeights(version, source or CheckpointSource(CKPT)))
 
 
-def state(
-    version: str = "default",
-    declared: bool = False,
-    *,
-    paused: bool = False,
-    sleeping: bool = False,
-) -> pb.RefitState:
-    return pb.RefitState(
-        weight_version=version,
-        weight_version_declared=declared,
-        paused=paused,
-        sleeping=sleeping,
-    )
-
-
 # -- decide ---------------------------------------------------------------------------
 
 
 def test_no_record_registers_as_ever() -> None:
-    decision = decide(None, state())
+    decision = decide(None, refit_state())
     assert decision.action is Action.REGISTER and decision.committed is None
 
 
 def test_an_engine_on_the_committed_version_registers() -> None:
-    decision = decide(record(), state("7", declared=True, paused=True))
+    decision = decide(record(), refit_state("7", declared=True, paused=True))
     assert decision.action is Action.CURRENT
     assert decision.committed == CommittedWeights("7", CheckpointSource(CKPT))
 
@@ -60,9 +46,9 @@ def test_an_engine_on_the_committed_version_registers() -> None:
 @pytest.mark.parametrize(
     "engine",
     [
-        state(),  # restarted: its start checkpoint
-        state("6", declared=True),  # an older refit's
-        state("7", declared=False),  # the committed label, never set: its start weights
+        refit_state(),  # restarted: its start checkpoint
+        refit_state("6", declared=True),  # an older refit's
+        refit_state("7", declared=False),  # the committed label, never set: its start weights
     ],
     ids=["initial", "older", "same label undeclared"],
 )
@@ -73,12 +59,12 @@ def test_a_committed_checkpoint_the_engine_lacks_is_loaded(engine: pb.RefitState
 
 
 def test_pushed_weights_are_waited_for() -> None:
-    decision = decide(record(source=PushedSource()), state())
+    decision = decide(record(source=PushedSource()), refit_state())
     assert decision.action is Action.WAIT and "keeper" in decision.why
 
 
 def test_an_engine_asleep_is_not_loaded() -> None:
-    decision = decide(record(), state(sleeping=True))
+    decision = decide(record(), refit_state(sleeping=True))
     assert decision.action is Action.WAIT and "asleep" in decision.why
 
 
@@ -117,7 +103,7 @@ def refused(details: str) -> grpc.aio.AioRpcError:
 class Engine:
     """An engine server's refit state and the calls the gate makes, in order."""
 
-    state: pb.RefitState = field(default_factory=state)
+    state: pb.RefitState = field(default_factory=refit_state)
     calls: list[str] = field(default_factory=list)
     # Loads to refuse before one succeeds; what to run during the next load.
     refuse_loads: int = 0
@@ -181,53 +167,57 @@ async def run(store: Store, engine: Engine) -> tuple[catch_up.Result, list[str]]
 
 
 async def test_without_a_record_nothing_is_called_and_nothing_held() -> None:
-    engine = Engine(state(paused=True))
+    engine = Engine(refit_state(paused=True))
     result, holds = await run(Store([None]), engine)
-    assert (result.outcome, result.version, result.source) == (Outcome.NO_RECORD, None, None)
+    assert (result.outcome, result.version, result.source) == (CatchUpOutcome.NO_RECORD, None, None)
     assert engine.calls == ["info"] and holds == []
     assert engine.state.paused  # a trainer's first refit resumes it, as before
 
 
 async def test_a_paused_restart_loads_the_checkpoint_then_resumes() -> None:
-    engine = Engine(state(paused=True))  # --start-paused
+    engine = Engine(refit_state(paused=True))  # --start-paused
     result, holds = await run(Store([record()]), engine)
-    assert (result.outcome, result.version, result.source) == (Outcome.LOADED, "7", "checkpoint")
+    assert (result.outcome, result.version, result.source) == (
+        CatchUpOutcome.LOADED,
+        "7",
+        "checkpoint",
+    )
     assert engine.calls == ["info", f"load {CKPT} as 7", "info", "resume"]
     assert len(holds) == 1 and CKPT in holds[0]
     assert (engine.state.weight_version, engine.state.paused) == ("7", False)
 
 
 async def test_an_engine_that_runs_is_paused_with_abort_first() -> None:
-    engine = Engine(state("6", declared=True))
+    engine = Engine(refit_state("6", declared=True))
     result, _ = await run(Store([record()]), engine)
-    assert result.outcome is Outcome.LOADED
+    assert result.outcome is CatchUpOutcome.LOADED
     assert engine.calls[:3] == ["info", "pause PAUSE_MODE_ABORT", f"load {CKPT} as 7"]
     assert engine.calls[-1] == "resume"
 
 
 async def test_an_engine_on_the_committed_version_is_left_as_it_is() -> None:
     # Paused by a trainer's refit, say: not the gate's to resume.
-    engine = Engine(state("7", declared=True, paused=True))
+    engine = Engine(refit_state("7", declared=True, paused=True))
     result, holds = await run(Store([record()]), engine)
-    assert result.outcome is Outcome.CURRENT
+    assert result.outcome is CatchUpOutcome.CURRENT
     assert engine.calls == ["info"] and holds == [] and engine.state.paused
 
 
 async def test_a_refit_that_commits_during_the_load_is_followed() -> None:
     store = Store([record()])
-    engine = Engine(state(paused=True))
+    engine = Engine(refit_state(paused=True))
     engine.during_load = lambda: store.publish(record("8", CheckpointSource("/ckpt/step-8")))
     result, holds = await run(store, engine)
-    assert (result.outcome, result.version) == (Outcome.LOADED, "8")
+    assert (result.outcome, result.version) == (CatchUpOutcome.LOADED, "8")
     loads = [c for c in engine.calls if c.startswith("load")]
     assert loads == [f"load {CKPT} as 7", "load /ckpt/step-8 as 8"]
     assert engine.calls[-1] == "resume" and len(holds) == 1
 
 
 async def test_a_refused_load_is_retried_out_of_the_pool() -> None:
-    engine = Engine(state(paused=True), refuse_loads=2)
+    engine = Engine(refit_state(paused=True), refuse_loads=2)
     result, holds = await run(Store([record()]), engine)
-    assert result.outcome is Outcome.LOADED
+    assert result.outcome is CatchUpOutcome.LOADED
     assert [c for c in engine.calls if c.startswith("load")] == [f"load {CKPT} as 7"] * 3
     assert engine.calls[-1] == "resume" and len(holds) == 1
 
@@ -236,9 +226,9 @@ async def test_a_retried_load_logs_its_reason_once(caplog: pytest.LogCaptureFixt
     """Each retry tries the load and fails again: the reason and the failure are
     logged once, not a pair of lines per retry."""
     caplog.set_level(logging.INFO, logger="bridge.catch_up")
-    engine = Engine(state(paused=True), refuse_loads=4)
+    engine = Engine(refit_state(paused=True), refuse_loads=4)
     result, _ = await run(Store([record()]), engine)
-    assert result.outcome is Outcome.LOADED
+    assert result.outcome is CatchUpOutcome.LOADED
     lines = [r.getMessage() for r in caplog.records]
     assert len([line for line in lines if "loading it before serving" in line]) == 1, lines
     assert len([line for line in lines if "failed: FAILED_PRECONDITION" in line]) == 1, lines
@@ -249,9 +239,9 @@ async def test_an_unreadable_record_holds_the_worker_until_it_reads() -> None:
     store = Store(
         [ValueError("the committed-weights record is not JSON"), ConnectionError(), record()]
     )
-    engine = Engine(state(paused=True))
+    engine = Engine(refit_state(paused=True))
     result, _ = await run(store, engine)
-    assert result.outcome is Outcome.LOADED and store.reads >= 3
+    assert result.outcome is CatchUpOutcome.LOADED and store.reads >= 3
     # The failed reads asked the engine nothing, and loaded nothing.
     assert engine.calls == ["info", f"load {CKPT} as 7", "info", "resume"]
 
@@ -266,9 +256,9 @@ async def test_pushed_weights_are_awaited_without_a_call_but_info() -> None:
             engine.state.weight_version, engine.state.weight_version_declared = "7", True
             engine.state.paused = False
 
-    engine = Engine(state(paused=True), on_info=trainer)
+    engine = Engine(refit_state(paused=True), on_info=trainer)
     result, holds = await run(Store([record(source=PushedSource())]), engine)
-    assert (result.outcome, result.version, result.source) == (Outcome.PUSHED, "7", "pushed")
+    assert (result.outcome, result.version, result.source) == (CatchUpOutcome.PUSHED, "7", "pushed")
     assert engine.calls == ["info"] * 5
     assert len(holds) == 1 and "keeper" in holds[0]
 
@@ -281,13 +271,13 @@ async def test_an_engine_that_does_not_answer_is_asked_again() -> None:
         if failure is not None:
             raise failure
 
-    engine = Engine(state("7", declared=True), on_info=flaky)
+    engine = Engine(refit_state("7", declared=True), on_info=flaky)
     result, _ = await run(Store([record()]), engine)
-    assert result.outcome is Outcome.CURRENT and engine.calls == ["info", "info"]
+    assert result.outcome is CatchUpOutcome.CURRENT and engine.calls == ["info", "info"]
 
 
 async def test_cancelled_while_waiting_ends_at_once() -> None:
-    engine = Engine(state(paused=True))
+    engine = Engine(refit_state(paused=True))
     task = asyncio.ensure_future(CatchUp(Store([record(source=PushedSource())]), engine).run())
     await wait_until_async(lambda: len(engine.calls) >= 3, 10, "the gate polling")
     task.cancel()

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from engine_contract.tensors import TENSOR_DTYPES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
-from engine_server import refit_control
+from engine_server.backends import checkpoint
 from engine_server.backends.refit import (
     PauseMode,
     TensorSpec,
@@ -37,6 +37,7 @@ from engine_server.errors import (
     RefitTimedOut,
     WeightsPathDenied,
 )
+from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import tiny_weights_dir, unreadable_entry
 
 T = TypeVar("T")
@@ -117,9 +118,9 @@ async def test_a_refused_abort_pause_aborts_nothing(core: ServerCore) -> None:
 
 async def test_transfer_phases_in_order_only(core: ServerCore) -> None:
     with pytest.raises(RefitRefused, match="StartWeightUpdate first"):
-        await core.refit.update_weights(b"{}")
+        await core.updates.update_weights({})
     with pytest.raises(RefitRefused, match="StartWeightUpdate first"):
-        await core.refit.finish_weight_update(pb.FinishWeightUpdateRequest())
+        await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest())
 
 
 # -- issue 28: checks before anything loads, deadlines, the allow-list -----------
@@ -144,6 +145,18 @@ async def sim_core(
 
 async def paused(core: ServerCore) -> None:
     await core.refit.pause(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+
+
+async def nothing(*args: object) -> None:
+    """A backend step that does nothing: one the test does not carry."""
+
+
+async def update_started(core: ServerCore) -> None:
+    """Generation paused and a weight update started, the backend's start a no-op:
+    where a test of the update's later phases, or of a trainer leaving, begins."""
+    core.backend.start_weight_update = nothing  # type: ignore[method-assign]
+    await paused(core)
+    await core.updates.start_weight_update(pb.WeightUpdateOptions())
 
 
 def from_path(path: Path | str) -> pb.UpdateWeightsFromPathRequest:
@@ -173,7 +186,7 @@ async def test_an_unreadable_entry_is_a_refusal_not_weights_unknown(
     async with sim_core() as core:
         await paused(core)
         with pytest.raises(InvalidRequest, match=r"x.safetensors.*the old weights still serve"):
-            await core.refit.update_from_path(from_path(tmp_path))
+            await core.updates.update_from_path(from_path(tmp_path))
         await still_serving(core)
 
 
@@ -185,13 +198,13 @@ async def test_a_check_past_its_deadline_is_refused_and_the_lock_released(
     def hung_mount(path: object) -> None:
         release.wait(30)
 
-    monkeypatch.setattr(refit_control, "checkpoint_schema", hung_mount)
+    monkeypatch.setattr(checkpoint, "checkpoint_schema", hung_mount)
     try:
         async with sim_core() as core:
             await paused(core)
             started = time.monotonic()
             with pytest.raises(RefitTimedOut, match=r"0\.3 s \(--refit-check-timeout-s\)"):
-                await core.refit.update_from_path(from_path(tmp_path))
+                await core.updates.update_from_path(from_path(tmp_path))
             assert time.monotonic() - started < 2
             await still_serving(core)
     finally:
@@ -204,7 +217,7 @@ async def test_a_load_past_its_deadline_leaves_the_weights_unknown_and_frees_the
     async with sim_core() as core:
         core.backend.load_weights_from_path = lambda path, allow_partial: never()  # type: ignore[method-assign]
         await paused(core)
-        update = asyncio.ensure_future(core.refit.update_from_path(from_path(model_dir)))
+        update = asyncio.ensure_future(core.updates.update_from_path(from_path(model_dir)))
         await asyncio.sleep(0.05)
         update.cancel()  # the client leaves: the load is still waited for, to its deadline
         with pytest.raises(EngineFailed, match=r"0\.3 s \(--refit-timeout-s\).*unknown"):
@@ -240,7 +253,7 @@ async def test_a_trickled_stream_is_refused_at_the_refit_deadline(model_dir: Pat
         await paused(core)
         started = time.monotonic()
         with pytest.raises(RefitTimedOut, match=r"--refit-timeout-s.*old weights still serve"):
-            await core.refit.update_from_tensors(stream(specs, pace_s=0.05))
+            await update_from_tensors(core, stream(specs, pace_s=0.05))
         assert time.monotonic() - started < 2
         await still_serving(core)
 
@@ -257,7 +270,7 @@ async def test_a_slow_manifest_check_is_refused_and_a_slow_commit_breaks(model_d
         core.backend.begin_tensor_update = slow_check  # type: ignore[method-assign]
         await paused(core)
         with pytest.raises(RefitTimedOut, match="nothing was loaded"):
-            await core.refit.update_from_tensors(stream(specs, 0, messages=0))
+            await update_from_tensors(core, stream(specs, 0, messages=0))
         assert core.refit.broken is None
 
         async def slow_commit(tensors: list[TensorSpec], *, allow_partial: bool) -> WeightWriter:
@@ -272,7 +285,7 @@ async def test_a_slow_manifest_check_is_refused_and_a_slow_commit_breaks(model_d
             allow_partial=True,
         )
         with pytest.raises(EngineFailed, match=r"committing the streamed weights.*unknown"):
-            await core.refit.update_from_tensors(aiter_of(requests))
+            await update_from_tensors(core, aiter_of(requests))
         assert core.refit.broken is not None
 
 
@@ -289,24 +302,19 @@ async def test_transfer_phases_past_the_deadline(tmp_path: Path) -> None:
         async def hang(*args: object) -> None:
             await asyncio.sleep(30)
 
-        async def nothing(*args: object) -> None:
-            return None
-
         async def shutdown() -> None:
             shut_down.append(True)
 
         backend.init_weight_transfer = hang  # type: ignore[method-assign]
         backend.shutdown_weight_transfer = shutdown  # type: ignore[method-assign]
         with pytest.raises(RefitTimedOut, match=r"InitWeightTransferEngine.*shut down"):
-            await core.refit.init_weight_transfer(b"{}")
+            await core.updates.init_weight_transfer({})
         assert shut_down and core.refit.broken is None
 
-        backend.start_weight_update = nothing  # type: ignore[method-assign]
         backend.update_weights = hang  # type: ignore[method-assign]
-        await paused(core)
-        await core.refit.start_weight_update(pb.WeightUpdateOptions())
+        await update_started(core)
         with pytest.raises(EngineFailed, match=r"UpdateWeights did not end.*unknown"):
-            await core.refit.update_weights(b"{}")
+            await core.updates.update_weights({})
         assert core.refit.broken is not None
         await asyncio.wait_for(core.refit.resume(), 2)  # nothing left in progress
 
@@ -319,9 +327,6 @@ async def test_an_update_the_backend_refuses_is_invalid_and_leaves_the_update_op
         backend = core.backend
         updates: list[object] = []
 
-        async def nothing(*args: object) -> None:
-            return None
-
         async def finish() -> WeightLoad:
             return WeightLoad(0, 0)
 
@@ -330,17 +335,15 @@ async def test_an_update_the_backend_refuses_is_invalid_and_leaves_the_update_op
                 raise WeightUpdateError("update_info 'packed' is true but the init set false")
             updates.append(info)
 
-        backend.start_weight_update = nothing  # type: ignore[method-assign]
         backend.update_weights = refuse  # type: ignore[method-assign]
         backend.finish_weight_update = finish  # type: ignore[method-assign]
-        await paused(core)
-        await core.refit.start_weight_update(pb.WeightUpdateOptions())
+        await update_started(core)
         with pytest.raises(InvalidRequest, match=r"update_info_json: .*'packed' is true.*stay"):
-            await core.refit.update_weights(b'{"packed": true}')
+            await core.updates.update_weights({"packed": True})
         assert core.refit.broken is None
-        await core.refit.update_weights(b'{"names": []}')
+        await core.updates.update_weights({"names": []})
         assert updates == [{"names": []}]
-        await core.refit.finish_weight_update(pb.FinishWeightUpdateRequest())
+        await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest())
         await still_serving(core)
 
 
@@ -375,14 +378,14 @@ async def test_the_allow_list_holds_the_resolved_path(
         await paused(core)
         for escape in (allowed / "out", allowed / ".." / "outside" / "w", outside / "w"):
             with pytest.raises(WeightsPathDenied, match="--weights-allowed-dir") as denied:
-                await core.refit.update_from_path(from_path(escape))
+                await core.updates.update_from_path(from_path(escape))
             assert str(allowed) in str(denied.value)
             assert "old weights still serve" in str(denied.value)
         with pytest.raises(WeightsPathDenied):
-            await core.refit.update_from_path(from_path(tmp_path / "allowed-twin"))
+            await core.updates.update_from_path(from_path(tmp_path / "allowed-twin"))
         assert loaded == []
-        await core.refit.update_from_path(from_path(tmp_path / "in"))
-        await core.refit.update_from_path(from_path(allowed / "w" / ".." / "w"))
+        await core.updates.update_from_path(from_path(tmp_path / "in"))
+        await core.updates.update_from_path(from_path(allowed / "w" / ".." / "w"))
         assert loaded == [str(allowed / "w")] * 2  # the path checked is the path loaded
         await still_serving(core)
 
@@ -395,5 +398,5 @@ async def test_a_manifest_longer_than_the_model_is_refused_before_it_is_read(
         junk = [Tensor(f"junk.{i}", "float32", (0,), b"") for i in range(count + 1)]
         await paused(core)
         with pytest.raises(InvalidRequest, match=f"{count + 1} tensors, more than the served"):
-            await core.refit.update_from_tensors(aiter_of(update_requests(junk)))
+            await update_from_tensors(core, aiter_of(update_requests(junk)))
         await still_serving(core)

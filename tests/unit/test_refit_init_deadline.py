@@ -51,7 +51,7 @@ async def test_the_callers_deadline_shuts_down_and_names_itself() -> None:
         infos, shut_down = hanging_transfer(core, "gloo")
         started = time.monotonic()
         with pytest.raises(RefitTimedOut) as late:
-            await core.refit.init_weight_transfer(b'{"master_port": 1}', 0.2)
+            await core.updates.init_weight_transfer({"master_port": 1}, 0.2)
         assert time.monotonic() - started < 2
         message = str(late.value)
         assert "the caller's init deadline of 0.2 s (timeout_ms)" in message
@@ -65,12 +65,12 @@ async def test_a_gloo_info_keeps_its_own_timeout_and_other_backends_get_none() -
     async with sim_core(RefitConfig(check_timeout_s=1, timeout_s=60)) as core:
         infos, _ = hanging_transfer(core, "gloo")
         with pytest.raises(RefitTimedOut):
-            await core.refit.init_weight_transfer(b'{"timeout_s": 5}', 0.1)
+            await core.updates.init_weight_transfer({"timeout_s": 5}, 0.1)
         assert infos == [{"timeout_s": 5}]
     async with sim_core(RefitConfig(check_timeout_s=1, timeout_s=60)) as core:
         infos, _ = hanging_transfer(core, "nccl")
         with pytest.raises(RefitTimedOut):
-            await core.refit.init_weight_transfer(b"{}", 0.1)
+            await core.updates.init_weight_transfer({}, 0.1)
         assert infos == [{}]  # NCCL's init info takes no timeout_s
 
 
@@ -78,5 +78,5 @@ async def test_never_past_the_servers_refit_deadline() -> None:
     async with sim_core(RefitConfig(check_timeout_s=1, timeout_s=0.2)) as core:
         infos, shut_down = hanging_transfer(core, "gloo")
         with pytest.raises(RefitTimedOut, match=r"refit deadline of 0\.2 s \(--refit-timeout-s\)"):
-            await core.refit.init_weight_transfer(b"{}", 30)
+            await core.updates.init_weight_transfer({}, 30)
         assert infos == [{}] and shut_down == [True]

@@ -22,6 +22,7 @@ from engine_server.backends.sim import SimBackend
 from engine_server.config import ServerConfig
 from engine_server.core import ServerCore
 from engine_server.errors import InvalidRequest, WeightVersionMismatch
+from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
 from harness.tiny_model import tiny_model_dir
 from harness.waits import wait_until_async
@@ -151,7 +152,7 @@ async def test_a_keep_mode_refit_ends_guarded_requests_at_the_weight_change(
     assert not guarded.done()  # frozen, not ended, by the pause alone
     weights = tiny_weights_dir(1)
     if update == "path":
-        await core.refit.update_from_path(
+        await core.updates.update_from_path(
             pb.UpdateWeightsFromPathRequest(
                 path=str(weights), options=pb.WeightUpdateOptions(weight_version="v2")
             )
@@ -163,7 +164,7 @@ async def test_a_keep_mode_refit_ends_guarded_requests_at_the_weight_change(
             for request in requests:
                 yield request
 
-        await core.refit.update_from_tensors(stream())
+        await update_from_tensors(core, stream())
     # Ended at the change, still paused: what they made so far, all of v1.
     answer = await asyncio.wait_for(guarded, 5)
     assert core.refit.paused is not None

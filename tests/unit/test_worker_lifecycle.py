@@ -17,8 +17,8 @@ import pytest
 
 from engine_worker.cli import Plan, supervise
 from engine_worker.private_dir import SUN_PATH_MAX, PrivateDir
-from engine_worker.supervisor import Backoff
 from harness import ROOT
+from launch.supervisor import RestartPolicy
 
 # A child that logs its SIGTERM to the file argv[1] and, for the bridge, drains
 # (argv[3] seconds, or forever: "hang") before it exits.
@@ -107,36 +107,35 @@ def _events(log: Path) -> list[str]:
     return log.read_text().split()
 
 
-async def _run_and_stop(plan: Plan, log: Path, stop_timeout_s: float) -> tuple[list[str], float]:
-    """Supervise ``plan`` until both children are up, then stop: the events, and the
-    seconds the stop took."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(supervise(plan, stop_timeout_s, stop, Backoff()))
-    deadline = time.monotonic() + 20
-    while {"engine-ready", "bridge-ready"} - set(_events(log)):
-        assert time.monotonic() < deadline and not task.done(), _events(log)
-        await asyncio.sleep(0.05)
-    started = time.monotonic()
-    stop.set()
-    assert await asyncio.wait_for(task, 30) == 0
-    return _events(log)[2:], time.monotonic() - started
+async def _run_and_stop(
+    tmp_path: Path, bridge_drain: str, stop_timeout_s: float
+) -> tuple[list[str], float]:
+    """Supervise a plan (the bridge draining for ``bridge_drain``) until both
+    children are up, then stop: the events, and the seconds the stop took. The
+    plan's private folder is removed however the run ends."""
+    plan, log = _plan(tmp_path, bridge_drain)
+    try:
+        stop = asyncio.Event()
+        task = asyncio.create_task(supervise(plan, stop_timeout_s, stop, RestartPolicy()))
+        deadline = time.monotonic() + 20
+        while {"engine-ready", "bridge-ready"} - set(_events(log)):
+            assert time.monotonic() < deadline and not task.done(), _events(log)
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+        return _events(log)[2:], time.monotonic() - started
+    finally:
+        plan.private.remove()
 
 
 async def test_the_bridge_drains_before_the_engine_server_is_signalled(tmp_path: Path) -> None:
-    plan, log = _plan(tmp_path, "1")
-    try:
-        events, _ = await _run_and_stop(plan, log, 10)
-    finally:
-        plan.private.remove()
+    events, _ = await _run_and_stop(tmp_path, "1", 10)
     assert events == ["bridge-term", "bridge-exit", "engine-term", "engine-exit"]
 
 
 async def test_a_hung_bridge_still_leaves_the_engine_server_its_drain(tmp_path: Path) -> None:
-    plan, log = _plan(tmp_path, "hang")
-    try:
-        events, took = await _run_and_stop(plan, log, 1)
-    finally:
-        plan.private.remove()
+    events, took = await _run_and_stop(tmp_path, "hang", 1)
     # The bridge killed at the budget's end, then the engine server stopped in turn.
     assert events == ["bridge-term", "engine-term", "engine-exit"]
     assert 1 <= took < 8

@@ -9,7 +9,7 @@ import pytest
 
 from engine_worker.flags import describe
 from engine_worker.split import UsageError, split_args
-from engine_worker.supervisor import Backoff
+from launch.supervisor import RestartPolicy
 
 ENGINE = {
     "--model": 1,
@@ -103,6 +103,10 @@ def test_describe_reads_arities_from_a_parser() -> None:
     }  # fmt: skip
 
 
-def test_backoff_doubles_to_its_cap() -> None:
-    backoff = Backoff()
-    assert [backoff.delay(n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 10, 10]
+def test_the_restart_pause_doubles_to_its_cap_within_its_jitter() -> None:
+    policy = RestartPolicy()
+    exact = [0.5, 1, 2, 4, 8, 10, 10]
+    assert [RestartPolicy(jitter=0).delay(n) for n in range(1, 8)] == exact
+    for n, base in enumerate(exact, start=1):
+        for _ in range(20):
+            assert base * 0.8 <= policy.delay(n) <= base * 1.2

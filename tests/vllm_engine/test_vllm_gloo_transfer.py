@@ -3,8 +3,13 @@
 - One group, several workers: a trainer at rank 0 and two worker engines that
   join at ``rank_offset`` 1 and 2 (as NeMo RL's workers do) receive the same
   packed tensors exactly.
-- A trainer that never connects: ``InitWeightTransferEngine`` fails within its
-  ``timeout_s`` instead of hanging, and the engine serves its old weights.
+- A trainer that never listens (connection refused): ``InitWeightTransferEngine``
+  answers UNAVAILABLE naming the address within its ``timeout_s``; a master that
+  accepts and never answers: DEADLINE_EXCEEDED within about ``timeout_s``, and the
+  shutdown and init that follow answer at once. The engine serves its old weights.
+- A trainer killed mid-update (during its broadcast, between two rounds): the
+  update is rolled back (at once, or by the next init), the old weights serve bit
+  for bit, the lock is free, and a whole refit runs after.
 - A refit over the contract: vLLM's own trainer engine for ``gloo`` (from
   ``WeightTransferTrainerFactory``, registered by our vLLM plugin) sends the
   seed-1 checkpoint from this process's memory to an engine server started with
@@ -19,12 +24,19 @@ What needs vLLM 0.32 is skipped elsewhere, naming the API that is missing
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,16 +57,19 @@ from vllm.distributed.weight_transfer.packed_tensor import (
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from engine_server import weight_transfer_gloo as gloo
+from engine_server.gloo import packing
+from engine_server.gloo.packing import COALESCE_BYTES, runs, send_packed
+from engine_server.gloo.protocol import PeerSilent, PeerUnreachable
+from engine_server.gloo.rendezvous import RENDEZVOUS_GRACE_S, open_group
 from engine_server.vllm_compat import HAS_TRAINER_ENGINES
-from engine_server.weight_transfer_gloo import GlooWeightTransferEngine, open_group, send_packed
+from engine_server.weight_transfer_gloo import GlooWeightTransferEngine
 from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
 from harness.nemo_rl import static_gloo_round
 from harness.ports import free_port
 from harness.procs import ProcessGroup
 from rl_client.weight_sync import ContractWeightSyncClient
-from tests.vllm_engine.test_vllm_refit import run, same
+from tests.vllm_engine.test_vllm_refit import Outputs, run, same
 
 pytestmark = pytest.mark.vllm
 
@@ -267,9 +282,9 @@ def test_one_group_serves_two_workers_at_rank_offsets_1_and_2(
 
 
 def test_runs_coalesce_small_neighbours_and_send_large_tensors_alone() -> None:
-    big = gloo.COALESCE_BYTES
+    big = COALESCE_BYTES
     sizes = [10, big, 5, 5, big + 1, 0, big // 2, big // 2 + 1]
-    assert [list(r) for r in gloo.runs(sizes)] == [[0], [1], [2, 3], [4], [5, 6], [7]]
+    assert [list(r) for r in runs(sizes)] == [[0], [1], [2, 3], [4], [5, 6], [7]]
 
 
 @needs_trainer_engines
@@ -278,7 +293,7 @@ def test_large_tensors_travel_alone_and_load_while_the_rest_arrives(
 ) -> None:
     """Tensors over ``COALESCE_BYTES`` go straight from the trainer's memory, one
     broadcast each, and the worker loads every ``LOAD_BYTES`` within a chunk."""
-    monkeypatch.setattr(gloo, "LOAD_BYTES", 3 << 20)
+    monkeypatch.setattr(packing, "LOAD_BYTES", 3 << 20)
     generator = torch.Generator().manual_seed(5)
     tensors = {
         "embed.weight": torch.randn(1024, 512, generator=generator),  # 2 MiB
@@ -379,34 +394,43 @@ def greedy(stub: pb_grpc.EngineServiceStub, prompt: list[int]) -> tuple[list[int
     return tokens_and_logprobs(greedy_rollout(stub, prompt, 16))
 
 
-def test_a_trainer_that_never_connects_fails_init_within_its_timeout(
+def init_request(port: int, timeout_s: float) -> pb.InitWeightTransferEngineRequest:
+    info = {"master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2}
+    info["timeout_s"] = timeout_s
+    return pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(info).encode())
+
+
+def refused_init(
+    stub: pb_grpc.EngineServiceStub, port: int, timeout_s: float, code: grpc.StatusCode
+) -> tuple[str, float]:
+    """An init with the master at ``port`` that the engine server refuses with
+    ``code``: the refusal's details, and the seconds it took to come."""
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:
+        stub.InitWeightTransferEngine(init_request(port, timeout_s), timeout=60)
+    took = time.monotonic() - started
+    details = failed.value.details() or ""
+    assert failed.value.code() == code, details
+    return details, took
+
+
+def test_a_trainer_that_never_listens_fails_init_unavailable_within_its_timeout(
     servers: tuple[str, str],
 ) -> None:
+    """Nothing listens at the master (connection refused): UNAVAILABLE naming the
+    address within ``timeout_s`` and the grace (the trainer may open its rank 0
+    after asking the workers to join), not INTERNAL after torch's two tries; the
+    old weights serve."""
     with grpc.insecure_channel(servers[0]) as channel:
         stub = pb_grpc.EngineServiceStub(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
         assert info.rl_capabilities.weight_transfer_backend == "gloo"
         prompt = [5, 17, 99, 250, 7, 31]
         before = greedy(stub, prompt)
-        init_info = {
-            "master_address": LOOPBACK,
-            "master_port": free_port(),  # nobody listens: the trainer never comes
-            "rank_offset": 1,
-            "world_size": 2,
-            "timeout_s": 2,
-        }
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as failed:
-            stub.InitWeightTransferEngine(
-                pb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode()),
-                timeout=60,
-            )
-        took = time.monotonic() - started
-        details = failed.value.details() or ""
-        assert failed.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED, details
-        assert "timed out" in details, details  # torch's words, passed on
-        # The TCP store tries twice, timeout_s each, a pause between.
-        assert took < 4 * init_info["timeout_s"] + 5, took
+        port, timeout_s = free_port(), 2
+        details, took = refused_init(stub, port, timeout_s, grpc.StatusCode.UNAVAILABLE)
+        assert f"{LOOPBACK}:{port}" in details and "connection refused" in details, details
+        assert took < timeout_s + RENDEZVOUS_GRACE_S + 1.5, took
         assert greedy(stub, prompt) == before
 
 
@@ -483,3 +507,155 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
             same(run(a, vocab), reference)
         finally:
             client.close()
+
+
+@contextmanager
+def silent_master() -> Iterator[int]:
+    """A port that accepts connections and never answers on them (nor closes them)."""
+    listener = socket.create_server((LOOPBACK, 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                accepted.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        for connection in accepted:
+            connection.close()
+
+
+def test_the_rendezvous_gives_up_on_a_master_that_never_answers(
+    groups_in_one_process: None,
+) -> None:
+    """torch's store client waits for the handshake's reply for good; the rendezvous
+    cuts it at ``timeout_s`` (+ the grace) and leaves no thread behind. A refused
+    master is told apart as soon (torch's client would retry for about twice that)."""
+    with silent_master() as port:
+        started = time.monotonic()
+        with pytest.raises(PeerSilent, match=f"{LOOPBACK}:{port} accepted the connection"):
+            open_group(LOOPBACK, port, 1, 2, timeout_s=1)
+        assert time.monotonic() - started < 1 + RENDEZVOUS_GRACE_S + 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("gloo-rendezvous")]
+    started = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="connection refused"):
+        open_group(LOOPBACK, free_port(), 1, 2, timeout_s=1)
+    assert time.monotonic() - started < 1 + RENDEZVOUS_GRACE_S + 0.5
+
+
+def test_a_master_that_never_answers_fails_init_in_time_and_nothing_waits_behind_it(
+    servers: tuple[str, str],
+) -> None:
+    """A master port that accepts and never answers: DEADLINE_EXCEEDED naming it
+    within about ``timeout_s`` (never past twice that); the shutdown and the new
+    init that follow answer at once, as they would have without it."""
+    with grpc.insecure_channel(servers[0]) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        prompt = [5, 17, 99, 250, 7, 31]
+        before = greedy(stub, prompt)
+        timeout_s = 2
+        with silent_master() as port:
+            details, took = refused_init(stub, port, timeout_s, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert f"{LOOPBACK}:{port} accepted the connection" in details, details
+            assert took < 2 * timeout_s + 1, took
+
+            started = time.monotonic()
+            try:
+                stub.ShutdownWeightTransferEngine(
+                    pb.ShutdownWeightTransferEngineRequest(), timeout=30
+                )
+            except grpc.RpcError as refused:  # vLLM 0.23 has no shutdown: said at once
+                assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused
+            assert time.monotonic() - started < 2
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.InitWeightTransferEngine(init_request(free_port(), 1), timeout=30)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+            assert time.monotonic() - started < 1 + RENDEZVOUS_GRACE_S + 1.5
+        assert greedy(stub, prompt) == before
+
+
+def dying_trainer(address: str, checkpoint: Path, when: str) -> None:
+    """``tests/vllm_engine/dying_trainer.py``: a trainer killed part way through
+    its refit of the engine server at ``address``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.vllm_engine.dying_trainer", address, str(checkpoint), when],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    said = done.stdout.split()
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert said[-1] == "killed" and "started" in said, done.stdout
+
+
+def join_and_leave(client: ContractWeightSyncClient) -> None:
+    """A trainer's init (its rank 0 opened while the worker joins), and nothing more."""
+    init = {"master_address": LOOPBACK, "master_port": free_port(), "world_size": 2}
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.init_weight_transfer_engine, {**init, "rank_offset": 1})
+        group = GlooWeightTransferEngine.trainer_init(init)
+        joined.result()
+    group.shutdown()
+
+
+def cold_run(stub: pb_grpc.EngineServiceStub, vocab: int) -> Outputs:
+    """``run`` with the prefix cache emptied first: every token computed from the
+    weights serving now (cached blocks may differ from a recomputation in the last
+    bits on some builds, vLLM 0.23's CPU one)."""
+    assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30).reset
+    return run(stub, vocab)
+
+
+def test_a_trainer_killed_mid_update_leaves_the_old_weights_and_a_refit_runs_after(
+    servers: tuple[str, str], model_dir: Path
+) -> None:
+    """Killed during its update's broadcast: the worker's round fails on the dead
+    group and rolls the update back at once, tokens and logprobs bit for bit, the
+    lock free. Killed between two rounds: the half-loaded update stays open (resume
+    is refused) until the next trainer's init rolls it back. A whole refit then runs."""
+    from transformers import AutoModelForCausalLM
+
+    on_a, on_b = servers
+    weights_b = tiny_weights_dir(1)
+    with grpc.insecure_channel(on_a) as a_channel, grpc.insecure_channel(on_b) as b_channel:
+        a = pb_grpc.EngineServiceStub(a_channel)
+        b = pb_grpc.EngineServiceStub(b_channel)
+        pause = pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT)
+        a.PauseGeneration(pause, timeout=30)  # the tiny model's own weights, whatever ran before
+        a.UpdateWeightsFromPath(pb.UpdateWeightsFromPathRequest(path=str(model_dir)), timeout=120)
+        a.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=30)
+        vocab = a.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).vocab_size
+        before = cold_run(a, vocab)
+        reference = cold_run(b, vocab)
+        assert before != reference
+
+        a.PauseGeneration(pause, timeout=30)
+        dying_trainer(on_a, weights_b, "during-broadcast")
+        a.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)  # no update left open
+        same(cold_run(a, vocab), before)
+
+        a.PauseGeneration(pause, timeout=30)
+        dying_trainer(on_a, weights_b, "between-rounds")
+        with pytest.raises(grpc.RpcError) as refused:
+            a.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        client = ContractWeightSyncClient(on_a, weight_version="after-b", timeout_s=120)
+        try:
+            join_and_leave(client)  # the next trainer: its init rolls the update back
+            a.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+            same(cold_run(a, vocab), before)
+
+            model = AutoModelForCausalLM.from_pretrained(str(weights_b), dtype=torch.float32)
+            params = [(name, p.detach()) for name, p in model.named_parameters()]
+            a.PauseGeneration(pause, timeout=30)
+            static_gloo_round(client, params, 2, {"rank_offset": 1}, {"packed": True})
+            a.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=30)
+        finally:
+            client.close()
+        same(cold_run(a, vocab), reference)

@@ -7,7 +7,8 @@ vllm`` is chosen.
 
 Modules: ``args`` (CLI, engine-argument defaults), ``sampling`` (SamplingSpec ->
 SamplingParams), ``outputs`` (RequestOutput -> EngineOutput), ``kv_events``
-(ZMQ relay), ``backend`` (VllmBackend).
+(ZMQ relay), ``info`` (EngineInfo from vLLM's config), ``refit`` (VllmRefit: the
+refit half), ``weights``, ``transfer_packing``, ``backend`` (VllmBackend).
 """
 
 from engine_server.backends.vllm._env import apply_env_defaults

@@ -11,6 +11,11 @@ Two ways to get one:
 The engine is created in a worker thread (``from_engine_args`` blocks for the
 whole start-up, 15-25 s on small CPUs) so the server's event loop keeps
 answering health checks meanwhile; the same for ``AsyncLLM.shutdown``.
+
+This module is the serving half: construction, lifecycle, requests, load and the
+KV-event relay. The refit half (pause, weights, transfer engines, versions,
+sleep) is its base class, ``refit.VllmRefit``; what the engine is, read from its
+config, is ``info``.
 """
 
 from __future__ import annotations
@@ -19,20 +24,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import AsyncGenerator, Collection, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import vllm
 from vllm.config import KVEventsConfig, VllmConfig
 from vllm.distributed.kv_events import ZmqEventPublisher
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferInitRequest,
-    WeightTransferUpdateRequest,
-)
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -45,7 +43,6 @@ from engine_server import vllm_compat as compat
 from engine_server.backends import base
 from engine_server.backends.base import (
     AllBlocksCleared,
-    EngineBackend,
     EngineInfo,
     EngineLoad,
     EngineOutput,
@@ -53,19 +50,12 @@ from engine_server.backends.base import (
     KvEventSink,
     SamplingSpec,
 )
-from engine_server.backends.refit import (
-    PauseMode,
-    RefitUnsupported,
-    RlCapabilities,
-    TensorSpec,
-    WeightLoad,
-    WeightWriter,
-)
 from engine_server.backends.vllm import args as cli
+from engine_server.backends.vllm.info import engine_info
 from engine_server.backends.vllm.kv_events import KvEventSubscriber
 from engine_server.backends.vllm.outputs import OutputConverter
+from engine_server.backends.vllm.refit import VllmRefit
 from engine_server.backends.vllm.sampling import to_sampling_params
-from engine_server.backends.vllm.transfer_packing import InitTimePacking
 from engine_server.backends.vllm.weights import VllmWeights
 from engine_server.tracing import trace_headers
 from engine_server.vllm_plugin import OWNER_ENV
@@ -113,7 +103,7 @@ def _stat_logger_factory(view: _SchedulerView) -> Any:
     return _LoadStatLogger
 
 
-class VllmBackend(EngineBackend):
+class VllmBackend(VllmRefit):
     """Runs requests on a vLLM ``AsyncLLM``; see the package docs for defaults."""
 
     supports_bad_words = True
@@ -131,13 +121,13 @@ class VllmBackend(EngineBackend):
         ``engine`` (the host's; see ``from_engine``)."""
         if (engine_args is None) == (engine is None):
             raise ValueError("give VllmBackend either engine_args or an engine, not both")
+        super().__init__(engine)
         self._engine_args = engine_args
         self.defaults_applied: dict[str, Any] = {}
         if engine_args is not None:
             self.defaults_applied = cli.apply_engine_defaults(engine_args, chosen)
             if self.defaults_applied:
                 log.info("vLLM engine defaults, where none were given: %s", self.defaults_applied)
-        self._engine = engine
         self._owns_engine = engine is None
         if isinstance(kv_events_endpoint, str):
             kv_events_endpoint = [kv_events_endpoint]
@@ -146,14 +136,9 @@ class VllmBackend(EngineBackend):
         self._view = _SchedulerView()
         self._info: EngineInfo | None = None
         self._sink: KvEventSink | None = None
-        self._weights: VllmWeights | None = None
         self._closed = False
         # Requests in generate(), by id: True once abort() was asked for.
         self._live: dict[str, bool] = {}
-        # The packing the weight-transfer group's init set (transfer_packing).
-        self._packing: InitTimePacking | None = None
-        # The weights' label, where vLLM keeps none (0.23): set by set_weight_version.
-        self._version = "default"
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -192,12 +177,6 @@ class VllmBackend(EngineBackend):
         else its configured ``kv_events_config``. No events when it has none.
         """
         return cls(engine=engine, kv_events_endpoint=kv_events_endpoint)
-
-    @property
-    def engine(self) -> AsyncLLM:
-        if self._engine is None:
-            raise base.EngineDeadError("the vLLM engine is not started")
-        return self._engine
 
     @property
     def scheduler_counts(self) -> tuple[int, int]:
@@ -407,114 +386,6 @@ class VllmBackend(EngineBackend):
             kv_blocks_total=blocks,
         )
 
-    # -- the refit cycle (vLLM's pause, reload_weights, weight versions) --------
-    def rl_capabilities(self) -> RlCapabilities:
-        engine = self._engine
-        transfer = engine.vllm_config.weight_transfer_config if engine is not None else None
-        return RlCapabilities(
-            pause=True,
-            update_from_path=True,
-            update_from_tensors=True,
-            weight_transfer_backend=str(transfer.backend) if transfer is not None else "",
-            sleep=engine is not None and bool(engine.model_config.enable_sleep_mode),
-        )
-
-    def _weight_loader(self) -> VllmWeights:
-        if self._weights is None:
-            raise base.EngineDeadError("the vLLM engine is not started")
-        return self._weights
-
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self.engine.pause_generation(mode=mode.value, clear_cache=clear_cache)
-        if clear_cache:
-            self._cleared()
-
-    async def resume(self) -> None:
-        await self.engine.resume_generation()
-
-    async def load_weights_from_path(self, path: str, *, allow_partial: bool) -> WeightLoad:
-        return await self._weight_loader().load_dir(path, allow_partial=allow_partial)
-
-    async def begin_tensor_update(
-        self, tensors: Sequence[TensorSpec], *, allow_partial: bool
-    ) -> WeightWriter:
-        return await self._weight_loader().writer(tensors, allow_partial=allow_partial)
-
-    async def weight_names(self) -> Collection[str] | None:
-        try:
-            return (await self._weight_loader().schema()).keys()
-        except RefitUnsupported:  # begin_tensor_update says why
-            return None
-
-    def _transfer_configured(self) -> None:
-        if not self.rl_capabilities().weight_transfer_backend:
-            raise self._unsupported(
-                "a weight-transfer engine (start vLLM with --weight-transfer-config)"
-            )
-
-    def _transfer_packing(self) -> InitTimePacking:
-        """The group's packing rule, for the engine class the workers created."""
-        if self._packing is None:
-            transfer = self.engine.vllm_config.weight_transfer_config
-            self._packing = InitTimePacking.for_backend(str(transfer.backend))
-        return self._packing
-
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        self._transfer_configured()
-        self._transfer_packing().note_init(init_info)
-        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info))
-
-    async def start_weight_update(self) -> None:
-        self._transfer_configured()
-        await self.engine.start_weight_update()
-
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._transfer_configured()
-        fitted = self._transfer_packing().fit_update(update_info)  # WeightUpdateError
-        await self.engine.update_weights(WeightTransferUpdateRequest(fitted))
-
-    async def finish_weight_update(self) -> WeightLoad:
-        self._transfer_configured()
-        await self.engine.finish_weight_update()
-        return WeightLoad(0, 0)  # the transfer engine does not say
-
-    async def shutdown_weight_transfer(self) -> None:
-        self._transfer_configured()
-        if not compat.has_transfer_shutdown(self.engine):
-            raise self._unsupported(
-                f"releasing the weight-transfer engine on vLLM {vllm.__version__} "
-                "(no shutdown_weight_transfer_engine; the next init replaces it)"
-            )
-        await self.engine.shutdown_weight_transfer_engine()
-
-    async def weight_version(self) -> str:
-        if not compat.has_weight_versions(self.engine):
-            return self._version
-        return str(await self.engine.get_weight_version())
-
-    async def set_weight_version(self, version: str) -> None:
-        """vLLM's own label where it keeps one; else this backend's (the core
-        stamps each rollout with the label serving it)."""
-        if not compat.has_weight_versions(self.engine):
-            self._version = version
-            return
-        await self.engine.update_weight_version(version)
-
-    def check_sleep(self) -> None:
-        if not self.rl_capabilities().sleep:
-            raise self._unsupported(
-                "sleep mode (start vLLM with --enable-sleep-mode; the CPU build has none)"
-            )
-
-    async def sleep(self, level: int, mode: PauseMode) -> None:
-        self.check_sleep()
-        await self.engine.sleep(level=level, mode=mode.value)
-        self._cleared()
-
-    async def wake_up(self, tags: Sequence[str]) -> bool:
-        self.check_sleep()
-        return compat.woke_fully(await self.engine.wake_up(list(tags) or None))
-
     async def check_health(self) -> None:
         engine = self.engine
         try:
@@ -539,67 +410,3 @@ def _publisher_endpoints(engine: AsyncLLM) -> list[str]:
     return [
         ZmqEventPublisher.offset_endpoint_port(kvc.endpoint, r) or kvc.endpoint for r in range(dp)
     ]
-
-
-def eos_token_ids(engine: AsyncLLM) -> tuple[int, ...]:
-    """Every id vLLM stops on by default: generation config, HF config, tokenizer.
-
-    Read from the model's config files, so it works with skip_tokenizer_init.
-    """
-    mc = engine.model_config
-    found: list[int] = []
-
-    def add(value: Any) -> None:
-        if isinstance(value, int):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, int))
-
-    with contextlib.suppress(Exception):
-        add(mc.try_get_generation_config().get("eos_token_id"))
-    add(getattr(mc.hf_text_config, "eos_token_id", None))
-    tok = engine.tokenizer
-    if tok is not None:
-        add(getattr(tok, "eos_token_id", None))
-    if not found:  # last resort: the files themselves
-        for name in ("generation_config.json", "config.json"):
-            path = Path(mc.model) / name
-            with contextlib.suppress(OSError, ValueError):
-                add(json.loads(path.read_text()).get("eos_token_id"))
-    return tuple(dict.fromkeys(found))
-
-
-def _dp_ranks(parallel: Any) -> dict[str, int]:
-    """The ranks this engine hosts: all of them (vLLM balances internally), or
-    with an external or hybrid load balancer its own share, from its own rank."""
-    if parallel.data_parallel_external_lb:
-        size, start = 1, parallel.data_parallel_rank
-    elif parallel.data_parallel_hybrid_lb:
-        size, start = parallel.data_parallel_size_local, parallel.data_parallel_rank
-    else:
-        size, start = parallel.data_parallel_size, 0
-    return {"data_parallel_size": int(size), "data_parallel_start_rank": int(start)}
-
-
-def engine_info(engine: AsyncLLM) -> EngineInfo:
-    """EngineInfo from vLLM's own, final configuration (after start-up)."""
-    cfg = engine.vllm_config
-    mc = cfg.model_config
-    served = mc.served_model_name
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else None
-    return EngineInfo(
-        model_name=str(served or mc.model),
-        model_path=str(mc.model),
-        context_length=int(mc.max_model_len),
-        kv_block_size=int(cfg.cache_config.block_size),
-        total_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
-        max_running_sequences=int(cfg.scheduler_config.max_num_seqs),
-        max_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
-        eos_token_ids=eos_token_ids(engine),
-        vocab_size=int(mc.get_vocab_size()),
-        backend_name="vllm",
-        backend_version=vllm.__version__,
-        **_dp_ranks(cfg.parallel_config),
-        reports_routed_experts=compat.returns_routed_experts(cfg),
-    )

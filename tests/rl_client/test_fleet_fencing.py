@@ -23,9 +23,8 @@ from bridge.catch_up import CatchUp
 from engine_contract.tensors import update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.backends.refit import PauseMode
-from engine_server.config import ServerConfig
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import InProcessServer, greedy_rollout, tokens_and_logprobs
+from harness.engine import greedy_rollout, tokens_and_logprobs
 from rl_client.committed import (
     CheckpointSource,
     CommittedRecord,
@@ -34,11 +33,12 @@ from rl_client.committed import (
     RecordChanged,
     WeightSource,
 )
-from rl_client.fleet_cycle import Deadlines, Health, Outcome, RefitError, _Cycle, _Previous
 from rl_client.fleet_lease import FileFleetLease, Holder, LeaseHeld, LeaseLost
 from rl_client.refit import EngineRefitClient
+from rl_client.refit_report import Deadlines, Outcome, RefitError
 from rl_client.refit_rpc import RefitRpc
-from tests.unit.test_fleet_refit import PROMPT, Faulty, Fleet, real
+from tests.rl_client.fleet_fakes import Obedient
+from tests.rl_client.test_fleet_refit import PROMPT, Faulty, Fleet, real, serving
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -59,17 +59,12 @@ class Stoppable(Faulty):
 @pytest.fixture
 def fleet(model_dir: Path) -> Iterator[Fleet]:
     backends = [Stoppable(model_dir) for _ in range(4)]
-    servers = [InProcessServer(b, ServerConfig(listen="127.0.0.1:0")).start() for b in backends]
-    channels = [grpc.insecure_channel(s.address) for s in servers]
-    try:
-        yield Fleet(servers, list(backends), channels)
-    finally:
-        for backend in backends:
-            backend.stopped = False
-        for channel in channels:
-            channel.close()
-        for server in servers:
-            server.stop()
+    with serving(backends) as served:
+        try:
+            yield served
+        finally:  # first: a pause held by ``stopped`` would keep the servers from stopping
+            for backend in backends:
+                backend.stopped = False
 
 
 @pytest.fixture
@@ -405,7 +400,7 @@ def test_pauses_get_a_default_deadline() -> None:
 # -- never out of the pool on the committed version ------------------------------------
 
 
-class OnCommitted(_Cycle):
+class OnCommitted(Obedient):
     """Two workers whose rollback fails; w0 serves the store's committed version
     (another writer put it there)."""
 
@@ -415,15 +410,6 @@ class OnCommitted(_Cycle):
         )
         self.slept: list[str] = []
 
-    def _fleet(self) -> list[str]:
-        return ["w0", "w1"]
-
-    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
-        pass
-
-    async def _resume(self, worker: str) -> None:
-        pass
-
     async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
         assert isinstance(source, CheckpointSource)
         if worker == "w0" and source.path == "/new":
@@ -432,23 +418,11 @@ class OnCommitted(_Cycle):
             raise RuntimeError("a stale writer")
         return None
 
-    async def _label(self, worker: str, version: str, expect: int | None) -> int | None:
-        return None
-
     async def _serving(self, worker: str) -> str:
         return "theirs" if worker == "w0" else "new"
 
-    async def _health(self, worker: str) -> Health:
-        return Health.SERVING
-
     async def _sleep(self, worker: str) -> None:
         self.slept.append(worker)
-
-    def _loads(self, source: WeightSource) -> bool:
-        return True
-
-    async def _start_state(self) -> dict[str, _Previous]:
-        raise AssertionError("committed= was given")
 
 
 async def test_a_worker_serving_the_committed_version_is_never_taken_out(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +38,9 @@ from rl_client.committed import (
     Unread,
     WeightSource,
 )
-from rl_client.fleet_cycle import (
-    Deadlines,
-    Health,
-    Outcome,
-    RefitError,
-    _Cycle,
-    _Previous,
-)
+from rl_client.fleet_cycle import FleetCycle, RollbackTarget
 from rl_client.refit import EngineRefitClient, RefitClient
+from rl_client.refit_report import Deadlines, Outcome, RefitError, WorkerHealth
 
 PROMPT = [(i * 37) % 800 + 5 for i in range(24)]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -110,18 +105,25 @@ class Fleet:
         return [(s.weight_version, s.weight_version_declared) for s in self.states()]
 
 
-@pytest.fixture
-def fleet(model_dir: Path) -> Iterator[Fleet]:
-    backends = [Faulty(model_dir) for _ in range(4)]
+@contextmanager
+def serving(backends: Sequence[Faulty]) -> Iterator[Fleet]:
+    """A fleet of one in-process engine server per backend and a channel to each;
+    the channels closed and the servers stopped when the block ends."""
     servers = [InProcessServer(b, ServerConfig(listen="127.0.0.1:0")).start() for b in backends]
     channels = [grpc.insecure_channel(s.address) for s in servers]
     try:
-        yield Fleet(servers, backends, channels)
+        yield Fleet(servers, list(backends), channels)
     finally:
         for channel in channels:
             channel.close()
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def fleet(model_dir: Path) -> Iterator[Fleet]:
+    with serving([Faulty(model_dir) for _ in range(4)]) as served:
+        yield served
 
 
 @pytest_asyncio.fixture
@@ -303,7 +305,7 @@ async def test_a_record_that_cannot_be_written_fails_the_refit(
 # -- the choreography on a scripted fleet ------------------------------------------
 
 
-class Scripted(_Cycle):
+class Scripted(FleetCycle):
     """Workers as scripted coroutines: each step's behaviour by (worker, step)."""
 
     def __init__(self, workers: list[str], deadlines: Deadlines) -> None:
@@ -311,7 +313,7 @@ class Scripted(_Cycle):
         self.workers = workers
         self.hang: set[tuple[str, str]] = set()
         self.fail: set[tuple[str, str]] = set()
-        self.healths: dict[str, Health] = {}
+        self.healths: dict[str, WorkerHealth] = {}
         self.calls: list[tuple[str, str]] = []
 
     async def _step(self, worker: str, step: str) -> None:
@@ -340,9 +342,9 @@ class Scripted(_Cycle):
     async def _serving(self, worker: str) -> str:
         return "?"
 
-    async def _health(self, worker: str) -> Health:
+    async def _health(self, worker: str) -> WorkerHealth:
         await self._step(worker, "health")
-        return self.healths.get(worker, Health.SERVING)
+        return self.healths.get(worker, WorkerHealth.SERVING)
 
     async def _sleep(self, worker: str) -> None:
         await self._step(worker, "sleep")
@@ -350,8 +352,8 @@ class Scripted(_Cycle):
     def _loads(self, source: WeightSource) -> bool:
         return isinstance(source, CheckpointSource)
 
-    async def _start_state(self) -> dict[str, _Previous]:
-        return {w: _Previous("old", CheckpointSource("/old")) for w in self.workers}
+    async def _start_state(self) -> dict[str, RollbackTarget]:
+        return {w: RollbackTarget("old", CheckpointSource("/old")) for w in self.workers}
 
     async def refit(self) -> None:
         await self._run("new", CheckpointSource("/new"), "wait", True)
@@ -364,7 +366,7 @@ async def test_a_worker_neither_brought_back_nor_put_to_sleep_is_reported_and_st
     fleet.fail.add(("w0", "update"))
     fleet.hang |= {("w1", "rollback"), ("w1", "sleep")}
     fleet.fail.add(("w2", "rollback"))
-    fleet.healths["w2"] = Health.UNREACHABLE
+    fleet.healths["w2"] = WorkerHealth.UNREACHABLE
     with pytest.raises(RefitError) as failed:
         await fleet.refit()
     report = failed.value.report

@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 
 from rl_client.committed import (
-    MAX_RECORD_BYTES,
     CheckpointSource,
     CommittedRecord,
     CommittedWeights,
     EtcdCommittedStore,
     FileCommittedStore,
-    WeightSource,
 )
+from rl_client.committed_strict import MAX_RECORD_BYTES
 from rl_client.etcd_gateway import b64
-from rl_client.fleet_cycle import Deadlines, Health, _Cycle, _Previous
+from rl_client.refit_report import Deadlines
+from tests.rl_client.fleet_fakes import Obedient
 
 WEIGHTS = CommittedWeights("7", CheckpointSource("/ckpt/step-7"))
 GOOD = json.loads(CommittedRecord(WEIGHTS, ("a",), 1.5).to_json())
@@ -294,41 +294,8 @@ def test_the_record_is_readable_by_other_users(store: FileCommittedStore) -> Non
     assert store.path.stat().st_mode & 0o777 == 0o644
 
 
-class Obedient(_Cycle):
-    """A fleet whose every worker does as it is told."""
-
-    def __init__(self, committed: CommittedWeights | None, store: FileCommittedStore) -> None:
-        super().__init__(committed, store, Deadlines(pause_s=2, update_s=2, control_s=2))
-
-    def _fleet(self) -> list[str]:
-        return ["w0", "w1"]
-
-    async def _pause(self, worker: str, mode: str, clear_cache: bool) -> None:
-        pass
-
-    async def _resume(self, worker: str) -> None:
-        pass
-
-    async def _load(self, worker: str, source: WeightSource, expect: int | None) -> None:
-        pass
-
-    async def _label(self, worker: str, version: str, expect: int | None) -> None:
-        pass
-
-    async def _serving(self, worker: str) -> str:
-        return "?"
-
-    async def _health(self, worker: str) -> Health:
-        return Health.SERVING
-
-    async def _sleep(self, worker: str) -> None:
-        pass
-
-    def _loads(self, source: WeightSource) -> bool:
-        return True
-
-    async def _start_state(self) -> dict[str, _Previous]:
-        raise AssertionError("committed= was given")
+# The deadlines of a fleet whose every worker does as it is told (``Obedient``).
+QUICK = Deadlines(pause_s=2, update_s=2, control_s=2)
 
 
 @pytest.mark.parametrize("unreadable", ["fifo", "deep", "out of range", "oversized"])
@@ -344,7 +311,7 @@ def test_a_trainer_given_committed_replaces_a_record_it_cannot_read(
     else:
         store.path.write_bytes(b" " * (MAX_RECORD_BYTES + 1))
     new = CommittedWeights("8", CheckpointSource("/ckpt/step-8"))
-    trainer = Obedient(WEIGHTS, store)
+    trainer = Obedient(WEIGHTS, store, QUICK)
 
     outcome = within(
         10,
@@ -360,7 +327,7 @@ def test_a_trainer_without_committed_is_told_the_record_is_unreadable_at_once(
     store: FileCommittedStore,
 ) -> None:
     os.mkfifo(store.path)
-    trainer = Obedient(None, store)
+    trainer = Obedient(None, store, QUICK)
     outcome = within(
         10,
         lambda: asyncio.run(trainer._run("8", CheckpointSource("/ckpt/8"), "wait", True)),

@@ -1,0 +1,237 @@
+"""How an update's tensors travel over the gloo group: cut into vLLM's chunks, and
+within a chunk into broadcasts, sent and received a window ahead.
+
+Chunks are vLLM's (``packed_tensor.pack_tensors``): both sides cut them by
+running ``pack_tensors`` over meta tensors (the worker's built from the update
+info), so they agree by construction. Within a chunk, what travels is cut finer
+(``runs``): a tensor of ``COALESCE_BYTES`` or more is broadcast alone, straight
+from the trainer's memory (no packing copy) into a buffer of its own; smaller
+neighbours share one packed broadcast. The worker hands tensors to the model's
+``load_weights`` every ``LOAD_BYTES`` (and at each chunk's end) while the next
+runs arrive, so loading overlaps the transfer and a 1 GB chunk never needs 1 GB
+of buffers; ``packed_num_buffers`` x ``LOAD_BYTES`` are in flight (gloo
+broadcasts are asynchronous). ``packed: false`` makes each tensor its own chunk.
+As for NCCL, each tensor is a view of its received bytes, so a tensor packed
+after others must start at a byte offset its element size divides (a model of
+one dtype always does).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.packed_tensor import PackedChunk, pack_tensors
+
+from engine_server.gloo.rendezvous import Group
+
+SRC = 0  # the trainer's sender, as for NCCL
+
+
+def _wire_tensor(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    # Gloo sends host memory; a trainer's GPU tensors are copied out first.
+    return item[1].detach().cpu()
+
+
+def _as_is(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    return item[1]
+
+
+def _cut(
+    pairs: Iterator[tuple[str, torch.Tensor]],
+    buffer_size_bytes: int | None,
+    prepare: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+) -> Iterator[PackedChunk]:
+    """``pack_tensors`` chunks; ``None``: one tensor per chunk (unpacked)."""
+
+    def flat(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        # 1-d for vLLM 0.23's pack_tensors, which views the tensor as bytes first
+        # (a 0-d float16 cannot be); the chunk keeps the original shape.
+        return prepare(item).reshape(-1)
+
+    if buffer_size_bytes is None:
+        for pair in pairs:
+            yield pack_tensors(iter([pair]), flat, sys.maxsize)
+        return
+    while (chunk := pack_tensors(pairs, flat, buffer_size_bytes)) is not None:
+        yield chunk
+
+
+def chunk_layout(
+    metadata: Iterable[tuple[str, str, list[int]]], buffer_size_bytes: int | None
+) -> Iterator[PackedChunk]:
+    """The chunks ``send_packed`` cuts, from (name, dtype name, shape) alone:
+    ``pack_tensors`` run over meta tensors (no memory), so the worker splits the
+    stream exactly where the trainer does. Each chunk's ``packed_tensor`` is a meta
+    tensor of the chunk's size."""
+    placeholders = (
+        (name, torch.empty(shape, dtype=getattr(torch, dtype_name), device="meta"))
+        for name, dtype_name, shape in metadata
+    )
+    return _cut(placeholders, buffer_size_bytes, _as_is)
+
+
+# Tensors smaller than this share a broadcast with their neighbours in the chunk
+# (copied into one buffer, up to this size); larger ones travel alone, from and
+# into their own memory.
+COALESCE_BYTES = 1 << 20
+# The worker hands received tensors to ``load`` once this many bytes are waiting
+# (and at each chunk's end), so that loading overlaps the transfer.
+LOAD_BYTES = 16 << 20
+
+
+def runs(sizes: Sequence[int]) -> Iterator[range]:
+    """A chunk's tensors (byte sizes, in order) as the runs that share one
+    broadcast: consecutive tensors under ``COALESCE_BYTES``, up to that size
+    together; each larger tensor alone."""
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        alone = size >= COALESCE_BYTES
+        if i > start and (alone or total + size > COALESCE_BYTES):
+            yield range(start, i)
+            start, total = i, 0
+        total += size
+        if alone:
+            yield range(i, i + 1)
+            start, total = i + 1, 0
+    if start < len(sizes):
+        yield range(start, len(sizes))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _send_buffers(
+    pairs: Iterator[tuple[str, torch.Tensor]], buffer_size_bytes: int | None
+) -> Iterator[torch.Tensor]:
+    """What the trainer broadcasts, in order: per chunk, per run, a tensor's own
+    bytes (no copy) or a run's small tensors packed together."""
+    held: list[torch.Tensor] = []
+
+    def hold(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        tensor = _wire_tensor(item)
+        held.append(tensor)
+        return torch.empty_like(tensor, device="meta")  # pack_tensors then copies nothing
+
+    for chunk in _cut(pairs, buffer_size_bytes, hold):
+        tensors, held = held, []
+        for run in runs(chunk.tensor_sizes):
+            if len(run) == 1:
+                yield _flat(tensors[run.start])
+            else:
+                yield torch.cat([_flat(tensors[i]) for i in run])
+
+
+def _window(num_buffers: int) -> int:
+    """Bytes in flight at most (at least one broadcast): ``num_buffers`` loads' worth."""
+    return max(num_buffers, 1) * LOAD_BYTES
+
+
+def send_packed(
+    group: Group,
+    pairs: Iterator[tuple[str, torch.Tensor]],
+    buffer_size_bytes: int | None,
+    num_buffers: int,
+) -> int:
+    """Broadcast ``pairs`` from rank 0, chunked as ``chunk_layout`` says and each
+    chunk as ``runs`` says, ``num_buffers`` x ``LOAD_BYTES`` in flight; returns
+    the bytes sent."""
+    in_flight: deque[tuple[Any, torch.Tensor]] = deque()
+    in_flight_bytes = sent = 0
+    for buffer in _send_buffers(pairs, buffer_size_bytes):
+        if not buffer.numel():
+            continue
+        while in_flight and in_flight_bytes + buffer.numel() > _window(num_buffers):
+            work, done = in_flight.popleft()
+            work.wait()
+            in_flight_bytes -= done.numel()
+        in_flight.append((group.broadcast(buffer, SRC), buffer))
+        in_flight_bytes += buffer.numel()
+        sent += buffer.numel()
+    for work, _ in in_flight:
+        work.wait()
+    return sent
+
+
+@dataclass
+class _Arrival:
+    """One run the worker is receiving: its buffer, its broadcast, its tensors."""
+
+    chunk: PackedChunk
+    run: range
+    buffer: torch.Tensor
+    work: Any  # None: nothing to receive (tensors of no bytes)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        c, r = self.chunk, slice(self.run.start, self.run.stop)
+        parts = self.buffer.split(c.tensor_sizes[r])
+        # Views of the buffer, as vLLM's unpack_tensor gives (whose 0.23 form
+        # cannot shape a 0-d tensor).
+        return [
+            (name, part.view(dtype).view(shape))
+            for name, shape, dtype, part in zip(
+                c.names[r], c.shapes[r], c.dtypes[r], parts, strict=True
+            )
+        ]
+
+
+def receive_packed(
+    group: Group,
+    layout: Iterable[PackedChunk],
+    load: Callable[[list[tuple[str, torch.Tensor]]], Any],
+    num_buffers: int,
+) -> int:
+    """Receive the chunks of ``layout`` (from ``chunk_layout``) run by run, as
+    ``send_packed`` sends them, ``num_buffers`` x ``LOAD_BYTES`` posted ahead;
+    hand the tensors to ``load`` each ``LOAD_BYTES`` and at each chunk's end,
+    while the following runs arrive. Returns the bytes.
+
+    Every run gets a fresh buffer: the tensors given to ``load`` are views of it,
+    and vLLM's layerwise reload may keep them until the update finishes."""
+    planned = (
+        (chunk, run, sum(chunk.tensor_sizes[i] for i in run))
+        for chunk in layout
+        for run in runs(chunk.tensor_sizes)
+    )
+    following = next(planned, None)
+    pending: deque[_Arrival] = deque()
+    posted = 0  # bytes of the pending receives
+
+    def post_ahead() -> None:
+        nonlocal following, posted
+        while following is not None and (
+            not pending or posted + following[2] <= _window(num_buffers)
+        ):
+            chunk, run, nbytes = following
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            work = group.broadcast(buffer, SRC) if nbytes else None
+            pending.append(_Arrival(chunk, run, buffer, work))
+            posted += nbytes
+            following = next(planned, None)
+
+    post_ahead()
+    received = ready_bytes = 0
+    ready: list[tuple[str, torch.Tensor]] = []
+    while pending:
+        arrival = pending.popleft()
+        if arrival.work is not None:
+            arrival.work.wait()
+        posted -= arrival.buffer.numel()
+        post_ahead()  # before loading: the next runs travel meanwhile
+        ready += arrival.tensors()
+        ready_bytes += arrival.buffer.numel()
+        chunk_done = arrival.run.stop == len(arrival.chunk.names)
+        if chunk_done or ready_bytes >= LOAD_BYTES:
+            load(ready)
+            received += ready_bytes
+            ready, ready_bytes = [], 0
+    return received
+
+
+def buffer_bytes(packed: bool, packed_buffer_size_bytes: int) -> int | None:
+    return packed_buffer_size_bytes if packed else None

@@ -1,0 +1,120 @@
+"""The one supervisor (launch.supervisor) of engine_server.host's bridge and
+engine_worker's two children: restarts, what restarting cannot help, output into
+a host's logging, and stops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+import pytest
+
+from launch.supervisor import (
+    START_FAILED,
+    USAGE_ERROR,
+    ChildProcess,
+    IntoLogging,
+    PassThrough,
+    RestartPolicy,
+)
+
+FAST = RestartPolicy(initial_s=0.05, max_s=0.05, jitter=0)
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+async def until(condition: object, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def restarted(name: str, exit_code: int, times: int) -> None:
+    """A child exiting ``exit_code`` at once is restarted ``times`` times (then stopped)."""
+    child = ChildProcess(
+        name, python(f"raise SystemExit({exit_code})"), {}, output=PassThrough(), restart=FAST
+    )
+    child.start()
+    await until(lambda: child.restarts >= times)
+    await child.stop(5)
+
+
+async def test_output_reaches_the_hosts_logging_at_its_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="test.child")
+    code = (
+        "import sys; print('\\x1b[1mWARNING\\x1b[0m careful', flush=True); "
+        "print('plain', file=sys.stderr, flush=True)"
+    )
+    child = ChildProcess(
+        "child",
+        python(code + "; import time; time.sleep(30)"),
+        {},
+        output=IntoLogging(logging.getLogger("test.child")),
+        restart=FAST,
+    )
+    child.start()
+    await child.wait_started()
+    pid = child.pid
+    await until(lambda: len([r for r in caplog.records if r.name == "test.child"]) >= 2)
+    await child.stop(5)
+    lines = {(r.levelno, r.getMessage()) for r in caplog.records if r.name == "test.child"}
+    assert (logging.WARNING, f"[child {pid}] WARNING careful") in lines
+    assert (logging.INFO, f"[child {pid}] plain") in lines
+    assert child.pid is None and child.restarts == 0
+
+
+async def test_a_child_that_dies_is_restarted_and_counted() -> None:
+    await restarted("child", 3, times=2)
+
+
+async def test_a_refused_command_line_is_fatal_only_where_the_owner_asks() -> None:
+    fatal: list[int] = []
+    asked = ChildProcess(
+        "asked", python("raise SystemExit(2)"), {}, output=PassThrough(), restart=FAST,
+        on_fatal=fatal.append,
+    )  # fmt: skip
+    asked.start()
+    await until(lambda: fatal == [USAGE_ERROR])
+    await asyncio.sleep(0.3)
+    assert asked.restarts == 0
+    await asked.stop(5)
+    # A host's bridge: refusing its arguments, it is still restarted.
+    await restarted("kept", USAGE_ERROR, times=1)
+
+
+async def test_a_first_start_that_fails_is_the_owners_to_hear() -> None:
+    fatal: list[int] = []
+    child = ChildProcess(
+        "missing", ["/nonexistent/program"], {}, output=PassThrough(), on_fatal=fatal.append
+    )
+    child.start()
+    with pytest.raises(FileNotFoundError):
+        await child.wait_started()
+    assert fatal == [START_FAILED]
+    await child.stop(5)
+
+
+async def test_stop_kills_a_child_that_will_not_stop() -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"  # noqa: E501
+    seen: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("test.stubborn")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Lines())
+    child = ChildProcess("stubborn", python(code), {}, output=IntoLogging(logger), restart=FAST)
+    child.start()
+    await until(lambda: any("up" in line for line in seen))
+    started = time.monotonic()
+    await child.stop(0.5)
+    assert time.monotonic() - started < 5 and child.pid is None
