@@ -164,7 +164,8 @@ class RefitControl:
 
     def begin(self) -> None:
         """A weight or label change begins: counted, whether or not it ends well
-        (a load refused before anything loaded is uncounted: ``load``)."""
+        (a load its engine refused before anything loaded is uncounted: ``load``;
+        any other end counts, which can only make a fenced writer re-read)."""
         self.weight_changes += 1
 
     async def changing(self, step: Awaitable[T], version: str | None = None) -> T:
@@ -286,18 +287,28 @@ class RefitControl:
         return reset and refit_rules.needs_pause(options)
 
     async def load(
-        self, step: Awaitable[WeightLoad], field: str, what: str, timeout_s: float
+        self,
+        step: Awaitable[WeightLoad],
+        field: str,
+        what: str,
+        timeout_s: float,
+        *,
+        begun_here: bool = True,
     ) -> WeightLoad:
         """Run a load to its end (a cancelled caller does not stop the engine's load
         half way) or its deadline; a refusal from its checks keeps the old weights,
         anything else, the deadline included, leaves them unknown: the server stops
-        serving until restarted."""
+        serving until restarted. ``begun_here``: the change was counted for this
+        load alone (``begin``), so a refusal that changed nothing uncounts it."""
         try:
             return await to_the_end(self.changing(step), timeout_s)
         except WeightUpdateError as e:
-            self.weight_changes -= 1  # refused before anything loaded: no change
+            if begun_here:
+                self.weight_changes -= 1  # refused before anything loaded: no change
             raise InvalidRequest(field, f"{e}; the old weights still serve") from e
         except RefitUnsupported as e:
+            if begun_here:
+                self.weight_changes -= 1
             raise _unsupported(e) from e
         except Expired:
             raise self.weights_unknown(

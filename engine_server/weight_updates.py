@@ -235,6 +235,7 @@ class WeightUpdates:
                     "update",
                     "FinishWeightUpdate",
                     self._config.timeout_s,
+                    begun_here=False,  # counted at StartWeightUpdate, loaded since
                 )
             finally:
                 refit.transfer.close()

@@ -18,11 +18,14 @@ after its last: a second trainer is refused at once, naming the holder. Each
 load and label is fenced on the engine's count of weight changes read after
 the pause (contract revision 10), so a writer overtaken by another (a
 catching-up bridge) is refused rather than labelling someone else's weights;
-the record is written only while it holds what the refit read
-(compare-and-set). A refit that is cancelled, times out or raises rolls back
-the workers it sent weights to and resumes every worker it paused, before the
-cancellation goes on (``last_report`` says so). A worker that serves the
-store's committed version is never taken out of the pool.
+the record is written only while it holds what it held when the refit began
+(compare-and-set), and the lease is renewed just before. A refit that is
+cancelled, times out or raises rolls back the workers it sent weights to and
+resumes every worker it paused before the cancellation goes on, and before it
+lets go of the lease, even if cancelled again (``last_report`` says so); a
+write of the record that began runs to its end and counts. A worker that
+another writer overtook is not rolled back over that writer's weights, and
+one that serves the store's committed version is never taken out of the pool.
 
 Here once, so that both ways in (``rl_client.refit``: ``RefitClient`` over the
 RL routes, ``EngineRefitClient`` over the contract) follow the same rules: each
@@ -38,6 +41,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -138,6 +142,8 @@ class FleetCycle(ABC):
         self._one_at_a_time = asyncio.Lock()
         # The last refit's report, also one that was cancelled (and undone).
         self.last_report: RefitReport | None = None
+        # The record's bytes as the running refit began (its compare-and-set).
+        self._record_read: bytes | Unread | None = None
 
     # -- what each transport does -------------------------------------------
 
@@ -223,6 +229,7 @@ class FleetCycle(ABC):
             raise ValueError(f"version {version!r}: {problem}")
         async with self._one_at_a_time, self._leased() as held:
             started = time.monotonic()
+            self._record_read = await self._read_record()
             try:
                 plan = await self._plan()
             except Unanswered as e:  # stopped before the pause: nothing changed
@@ -255,6 +262,17 @@ class FleetCycle(ABC):
             raise RefitError(report)
         return report
 
+    async def _read_record(self) -> bytes | Unread | None:
+        """The record as the refit begins, under the lease: what its commit may
+        replace (an unreadable one: anything, as a trainer given ``committed=``
+        may write over it)."""
+        if self.store is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.store.read_raw)
+        except ValueError:
+            return UNREAD
+
     async def _resume_staying(self, report: RefitReport) -> None:
         staying = [
             w for w in report.workers if w.outcome not in (Outcome.REMOVED, Outcome.ROLLBACK_FAILED)
@@ -267,15 +285,14 @@ class FleetCycle(ABC):
         await _each(staying, "resume", self.deadlines.control_s, resume)
 
     async def _undo_shielded(self, report: RefitReport, plan: dict[str, RollbackTarget]) -> None:
-        """Undo an interrupted refit to its end, even when cancelled again meanwhile
-        (it then goes on without the caller)."""
-        undo = asyncio.ensure_future(self._undo(report, plan))
+        """Undo an interrupted refit to its end, even when cancelled again meanwhile:
+        the lock and the fleet's lease are let go only after it."""
         try:
-            await asyncio.shield(undo)
-        except asyncio.CancelledError:
-            undo.add_done_callback(lambda task: task.cancelled() or task.exception())
+            _, cancelled = await _to_its_end(self._undo(report, plan))
         except Exception:
-            pass  # written into the report; the interruption is what is raised
+            return  # written into the report; the interruption is what is raised
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _undo(self, report: RefitReport, plan: dict[str, RollbackTarget]) -> None:
         """After a cancellation or an error: every worker that was sent weights back
@@ -312,7 +329,12 @@ class FleetCycle(ABC):
         async def load(entry: WorkerRefit) -> None:
             entry.sent = True
             expect, entry.changes = entry.changes, None
-            entry.changes = await self._load(entry.worker, source, expect)
+            try:
+                entry.changes = await self._load(entry.worker, source, expect)
+            except Exception as e:
+                # Another writer changed it after the pause: its weights are theirs.
+                entry.overtaken = STALE_WRITER in error_text(e)
+                raise
 
         async def label(entry: WorkerRefit) -> None:
             expect, entry.changes = entry.changes, None
@@ -327,31 +349,32 @@ class FleetCycle(ABC):
             await _each(entries, "label", limits.control_s, label)
         weights = CommittedWeights(report.version, source)
         if all_ok():
-            if held.lost is not None:
-                report.publish_error = f"not published: {held.lost}"
-            elif await self._publish(report, weights):
-                report.committed = True
-                self.committed = weights
-                for entry in entries:
-                    entry.outcome, entry.version = Outcome.UPDATED, report.version
-                return
+            await held.renew()
+            lost = held.lost_reason()
+            if lost is not None:
+                report.publish_error = f"not published: {lost}"
+            else:
+                # The commit point runs to its end: a write that lands is reported.
+                published, cancelled = await _to_its_end(self._publish(report, weights))
+                if published:
+                    report.committed = True
+                    self.committed = weights
+                    for entry in entries:
+                        entry.outcome, entry.version = Outcome.UPDATED, report.version
+                if cancelled:
+                    raise asyncio.CancelledError
+                if published:
+                    return
         await self._roll_back(entries, plan, relabel=labelled)
 
     async def _publish(self, report: RefitReport, weights: CommittedWeights) -> bool:
         """The commit point: the record says the new version, or the refit fails
         (the record then holds what it held before). A compare-and-set: written
-        only while the record still holds what it held when read here."""
+        only while the record still holds what it held when this refit began."""
         store = self.store
         if store is None:
             return True
-        before: bytes | Unread | None
-        try:
-            before = await asyncio.to_thread(store.read_raw)
-        except ValueError:
-            before = UNREAD  # an unreadable record: replaced, or removed on failure
-        except Exception as e:
-            report.publish_error = f"reading the record before writing it: {error_text(e)}"
-            return False
+        before = self._record_read
         new = CommittedRecord.now(weights, self._fleet()).to_json()
         try:
             await asyncio.to_thread(store.swap, before, new)
@@ -374,6 +397,11 @@ class FleetCycle(ABC):
 
         async def back(entry: WorkerRefit) -> None:
             previous = plan[entry.worker]
+            if entry.overtaken:
+                raise RuntimeError(
+                    f"{STALE_WRITER} (this refit, overtaken by another writer): not rolled "
+                    "back over that writer's weights"
+                )
             try:
                 if entry.changes is None:
                     entry.changes = await self._changes(entry.worker)
@@ -452,3 +480,21 @@ class FleetCycle(ABC):
         else:
             entry.outcome = Outcome.REMOVED
             entry.rollback_error = f"{entry.rollback_error}; out of the pool ({health.value})"
+
+
+T = TypeVar("T")
+
+
+async def _to_its_end(step: Awaitable[T]) -> tuple[T, bool]:
+    """``step`` run to its end even when the caller is cancelled meanwhile, and
+    whether it was: the caller raises the cancellation once it has acted on the
+    result (a record written, an undo finished)."""
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True

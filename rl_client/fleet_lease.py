@@ -24,14 +24,15 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -238,6 +239,8 @@ class EtcdFleetLease:
         if lease_id is None:
             raise LeaseLost("not a lease this client holds")
         answer = self._call("lease/keepalive", {"ID": lease_id})
+        if "error" in answer:  # the gateway's stream error (a leader change, say)
+            raise ConnectionError(f"etcd keepalive: {str(answer['error'])[:200]}")
         result = answer.get("result", answer)
         if not isinstance(result, dict) or int(result.get("TTL", 0) or 0) <= 0:
             self._ids.pop(token, None)
@@ -252,6 +255,14 @@ class EtcdFleetLease:
             self._call("lease/revoke", {"ID": lease_id})
 
 
+def _release_late(lease: FleetLease, acquiring: asyncio.Future[str]) -> None:
+    """A lease granted after its caller left: given back at once."""
+    if acquiring.cancelled() or acquiring.exception() is not None:
+        return
+    token = acquiring.result()
+    threading.Thread(target=lease.release, args=(token,), daemon=True).start()
+
+
 def _held(answer: dict[str, Any]) -> Holder | None:
     """The holder a failed transaction read back, when it says."""
     with contextlib.suppress(Exception):
@@ -262,29 +273,56 @@ def _held(answer: dict[str, Any]) -> Holder | None:
 
 @dataclass
 class Leased:
-    """A lease this writer holds, renewed in the background; ``lost`` says why it
-    was lost (the writer must then not publish)."""
+    """A lease this writer holds, renewed in the background. ``lost`` says why it
+    was lost; ``expires`` (monotonic) is when it runs out unless renewed: past
+    it, a store that stopped answering may have let another writer in. The
+    writer must not publish once ``lost_reason()`` says anything."""
 
     lost: str | None = None
+    expires: float = math.inf
+    _renew: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+
+    def lost_reason(self) -> str | None:
+        if self.lost is None and time.monotonic() > self.expires:
+            return "the fleet's refit lease was not renewed within its time to live"
+        return self.lost
+
+    async def renew(self) -> None:
+        """Renew now (before the commit point); a failure is kept in ``lost``."""
+        if self._renew is not None:
+            await self._renew()
 
 
 @contextlib.asynccontextmanager
 async def holding(lease: FleetLease, owner: str, ttl_s: float) -> AsyncIterator[Leased]:
     """Hold ``lease`` for the block (LeaseHeld at once when another writer does),
-    renewed every ``ttl_s / 3``, released at the end however the block ends."""
-    token = await asyncio.to_thread(lease.acquire, owner, ttl_s)
-    held = Leased()
+    renewed every ``ttl_s / 3``, released at the end however the block ends (a
+    caller cancelled while the store grants it releases it once granted)."""
+    granted = time.monotonic()
+    acquiring = asyncio.ensure_future(asyncio.to_thread(lease.acquire, owner, ttl_s))
+    try:
+        token = await asyncio.shield(acquiring)
+    except asyncio.CancelledError:
+        acquiring.add_done_callback(lambda done: _release_late(lease, done))
+        raise
+    held = Leased(expires=granted + ttl_s)
+
+    async def renew_once() -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(lease.renew, token, ttl_s)
+            held.expires = started + ttl_s
+        except LeaseLost as e:
+            held.lost = str(e)
+        except Exception as e:  # the store may answer the next time: keep trying
+            log.warning("renewing the fleet's refit lease failed: %s", e)
+
+    held._renew = renew_once
 
     async def renew() -> None:
-        while True:
+        while held.lost is None:
             await asyncio.sleep(ttl_s / 3)
-            try:
-                await asyncio.to_thread(lease.renew, token, ttl_s)
-            except LeaseLost as e:
-                held.lost = str(e)
-                return
-            except Exception as e:  # the store may answer the next time: keep trying
-                log.warning("renewing the fleet's refit lease failed: %s", e)
+            await renew_once()
 
     renewing = asyncio.get_running_loop().create_task(renew(), name="fleet-lease")
     try:

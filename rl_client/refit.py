@@ -463,11 +463,12 @@ class EngineRefitClient(_FleetClient):
         """Put one engine server that lags the fleet (restarted: it serves its start
         weights) back on the committed weights: pause (``mode``: what it runs now
         runs on other weights), load, label, resume. Under the lock every refit of
-        this client takes, so it never interleaves with one, and checked again
+        this client takes and the fleet's lease (with a store), so it never
+        interleaves with a refit of this trainer or another, and checked again
         there: False when the engine serves the committed version already (a refit
         brought it there meanwhile). ValueError when nothing is committed, or the
         committed weights cannot be sent again (``CommittedWeights.resendable``)."""
-        async with self._one_at_a_time:
+        async with self._one_at_a_time, self._leased():  # one writer per fleet
             committed = self.committed
             if committed is None or not committed.resendable:
                 raise ValueError(

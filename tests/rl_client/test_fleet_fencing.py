@@ -372,6 +372,70 @@ async def test_a_cancelled_refit_resumes_every_worker_it_paused(
     FileFleetLease(store.path.with_name(f"{store.path.name}.lease")).acquire("next", 1)
 
 
+async def test_a_refit_cancelled_twice_undoes_before_it_lets_the_lease_go(
+    fleet: Fleet, store: FileCommittedStore
+) -> None:
+    """Cancelled again while it undoes (a caller's second timeout): the refit still
+    waits for its undo before it gives up the fleet's lease, so no other writer
+    can start while its workers are being resumed."""
+    assert isinstance(fleet.backends[3], Stoppable)
+    fleet.backends[3].stopped = True
+    lease = FileFleetLease(store.path.with_name(f"{store.path.name}.lease"))
+    deadlines = Deadlines(control_s=1.5)
+    async with EngineRefitClient(fleet.addresses, store=store, deadlines=deadlines) as trainer:
+        task = asyncio.ensure_future(trainer.refit("1", path=str(tiny_weights_dir(1))))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        task.cancel()  # again, while it resumes the others and waits on the hung one
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        with pytest.raises(LeaseHeld):  # still its own
+            lease.acquire("another trainer", 1)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        report = trainer.last_report
+        assert report is not None and [w.resumed for w in report.workers] == [
+            True,
+            True,
+            True,
+            False,
+        ]
+    lease.acquire("another trainer", 1)
+
+
+class SlowWrite(FileCommittedStore):
+    """A store whose write takes its time (a slow etcd)."""
+
+    def swap(self, expected: object, new: bytes | None) -> None:
+        time.sleep(1.0)
+        super().swap(expected, new)  # type: ignore[arg-type]
+
+
+async def test_a_refit_cancelled_while_its_record_is_written_is_committed(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The commit point runs to its end: cancelled during the write, the refit
+    counts as committed (its report says so) and every worker serves it, never
+    the record saying one version while the workers went back to another."""
+    store = SlowWrite(tmp_path / "kv", "ns")
+    store.publish(
+        CommittedRecord(CommittedWeights("0", CheckpointSource(str(tiny_weights_dir(0)))))
+    )
+    async with EngineRefitClient(fleet.addresses, store=store) as trainer:
+        task = asyncio.ensure_future(trainer.refit("1", path=str(tiny_weights_dir(1))))
+        await asyncio.sleep(0.6)  # paused, loaded, labelled (sim: milliseconds); writing now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        report = trainer.last_report
+        assert report is not None and report.committed and report.interrupted == "cancelled"
+    record = store.read()
+    assert record is not None and record.weights.version == "1"
+    assert [(s.weight_version, s.paused) for s in fleet.states()] == [("1", False)] * 4
+
+
 async def test_a_refit_cancelled_while_loading_rolls_the_loaded_workers_back(
     fleet: Fleet, store: FileCommittedStore
 ) -> None:
