@@ -12,21 +12,16 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.context import CONCURRENCY, GEN_TOKENS, PROMPT_TOKENS, Bench, say
-from bench.frontend_compare import one_process_vs_bridges
+from bench.frontend_compare import OneProcessVsBridges, one_process_vs_bridges
 from bench.measure import Config
 from bench.report import (
-    CPU_HEADER,
     P50_MS,
     P99_MS,
     RPS,
     Goal,
     added_p50_at_c1,
-    cpu_cells,
-    goals_and_failures,
-    one_process_vs_split_table,
-    table,
 )
-from bench.stats import Cell, Summary, closed_loop
+from bench.stats import Cell, closed_loop
 from harness.procs import Proc
 from rl_client import driver
 
@@ -37,7 +32,6 @@ TRANSPORTS = {
     "grpc-unix": "stream, unix",
     "unary-tcp": "unary, tcp",
 }
-CONFIGS = (ONE_PROCESS, *TRANSPORTS)
 
 # The goals, shown next to what was measured: (b)/(a) throughput at c=64 by
 # transport (and the c=1 latency goal, ``report.added_p50_at_c1``).
@@ -45,9 +39,17 @@ GOAL_RPS_RATIO_C64 = {"grpc-tcp": 0.95, "grpc-unix": 1.0}
 
 
 @dataclass
-class FrontendRollouts:
-    # configuration -> concurrency -> medians over repetitions
-    summaries: dict[str, dict[int, Summary]]
+class FrontendRollouts(OneProcessVsBridges):
+    one_process = ONE_PROCESS
+    transports = TRANSPORTS
+    concurrency = CONCURRENCY
+    figures = (RPS, P50_MS, P99_MS)
+    differences = (
+        ("p50 +ms", lambda a, b: f"**{b.p50_ms - a.p50_ms:+.2f}**"),
+        ("p99 (b)/(a)", lambda a, b: f"{b.p99_ms / a.p99_ms:.2f}"),
+    )
+    one_process_label = ONE_PROCESS
+    cpu_note = "CPU milliseconds per rollout, by process (where the cost goes):"
 
     def goals(self) -> list[Goal]:
         s, a = self.summaries, self.summaries[ONE_PROCESS]
@@ -59,9 +61,8 @@ class FrontendRollouts:
         out += added_p50_at_c1(a, {t: s[t] for t in GOAL_RPS_RATIO_C64}, TRANSPORTS)
         return out
 
-    def render(self) -> str:
-        s = self.summaries
-        lines = [
+    def notes(self) -> list[str]:
+        return [
             "## 1. Rollouts through Dynamo's frontend (sim engine, zero delay, "
             f"{PROMPT_TOKENS}-token prompts, {GEN_TOKENS} tokens out)",
             "",
@@ -72,31 +73,6 @@ class FrontendRollouts:
             "run back to back, so slow drifts in the machine's other load cancel).",
             "",
         ]
-        lines += one_process_vs_split_table(
-            s,
-            ONE_PROCESS,
-            TRANSPORTS,
-            CONCURRENCY,
-            [RPS, P50_MS, P99_MS],
-            [
-                ("p50 +ms", lambda a, b: f"**{b.p50_ms - a.p50_ms:+.2f}**"),
-                ("p99 (b)/(a)", lambda a, b: f"{b.p99_ms / a.p99_ms:.2f}"),
-            ],
-        )
-        lines += goals_and_failures(self.goals(), s)
-        lines += [
-            "CPU milliseconds per rollout, by process (where the cost goes):",
-            "",
-        ]
-        rows = []
-        for c in CONCURRENCY:
-            for name in CONFIGS:
-                cpu = s[name][c].cpu_ms
-                if not cpu:
-                    continue
-                rows.append([c, TRANSPORTS.get(name, name), *cpu_cells(cpu)])
-        lines += table(["conc", "config", *CPU_HEADER], "rlrrrrr", rows)
-        return "\n".join([*lines, ""])
 
 
 def rollout_sender(

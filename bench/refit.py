@@ -19,7 +19,6 @@ from disk (MB/s ratio >= 1), on each vLLM row.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.backends.checkpoint import checkpoint_schema
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import tiny_vllm_args
+from harness.engine import tiny_vllm_args, weight_transfer_args
 from harness.env import importable
 
 DISK, TCP, UNIX, GLOO = "disk", "stream, tcp", "stream, unix", "gloo"
@@ -50,7 +49,7 @@ SYNTHETIC_MB = 256
 # Issue 30: gloo's MB/s over loading the same checkpoint from disk.
 GOAL_GLOO_OVER_DISK = 1.0
 MAX_MESSAGE = 64 << 20
-GLOO_CONFIG = ("--weight-transfer-config", json.dumps({"backend": "gloo"}))
+GLOO_CONFIG = weight_transfer_args("gloo")
 
 # One update of a server's weights to checkpoint 0 or 1, labelled with a version.
 Update = Callable[[int, str], None]

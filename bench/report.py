@@ -182,3 +182,23 @@ def cpu_cells(cpu: Mapping[str, float]) -> list[str]:
         f"{cpu.get('client', 0):.2f}",
         f"{sum(cpu.values()):.2f}",
     ]
+
+
+def cpu_table(
+    summaries: Mapping[str, Mapping[int, Summary]],
+    labels: Mapping[str, str],
+    concurrency: Sequence[int],
+    figures: Sequence[Figure] = (),
+) -> list[str]:
+    """Per concurrency and configuration (``labels``: name -> its label, in order),
+    CPU milliseconds per request by process (``cpu_cells``), then ``figures``; a
+    configuration without CPU figures is left out."""
+    rows: list[list[object]] = []
+    for c in concurrency:
+        for name, label in labels.items():
+            summary = summaries[name][c]
+            if summary.cpu_ms:
+                values = (value(summary) for _, value in figures)
+                rows.append([c, label, *cpu_cells(summary.cpu_ms), *values])
+    header = ["conc", "config", *CPU_HEADER, *(name for name, _ in figures)]
+    return table(header, "rl" + "r" * (len(header) - 2), rows)

@@ -18,22 +18,17 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.context import GEN_TOKENS, PROMPT_TOKENS, Bench, say
-from bench.frontend_compare import one_process_vs_bridges
+from bench.frontend_compare import OneProcessVsBridges, one_process_vs_bridges
 from bench.measure import Config
 from bench.report import (
-    CPU_HEADER,
     P50_MS,
     RPS,
     TTFT_P50_MS,
     Goal,
     added_p50_at_c1,
-    cpu_cells,
     fmt,
-    goals_and_failures,
-    one_process_vs_split_table,
-    table,
 )
-from bench.stats import Cell, Summary, closed_loop
+from bench.stats import Cell, closed_loop
 from harness.procs import Proc
 
 CONCURRENCY = (1, 16, 64)
@@ -47,7 +42,6 @@ TRANSPORTS = {
 }
 # Bridges (over TCP) beside the three every part runs: name -> extra flags.
 VARIANTS = {"sgrpc-unpaced": ("--generate-pacing", "off")}
-CONFIGS = (ONE_PROCESS, *TRANSPORTS)
 # The goals, shown next to what was measured.
 GOAL_RPS_RATIO = 0.9
 GOAL_TTFT_RATIO = 1.15
@@ -58,9 +52,23 @@ GOAL_CONCURRENCY = (16, 64)
 
 
 @dataclass
-class Streaming:
-    # configuration -> concurrency -> medians over repetitions
-    summaries: dict[str, dict[int, Summary]]
+class Streaming(OneProcessVsBridges):
+    one_process = ONE_PROCESS
+    transports = TRANSPORTS
+    concurrency = CONCURRENCY
+    figures = (RPS, TTFT_P50_MS, P50_MS)
+    differences = (
+        ("TTFT (b)/(a)", lambda a, b: f"**{b.ttft_p50_ms / a.ttft_p50_ms:.2f}**"),
+        ("p50 +ms", lambda a, b: f"{b.p50_ms - a.p50_ms:+.2f}"),
+    )
+    one_process_label = "one process"
+    cpu_note = (
+        "CPU milliseconds per streamed request, by process, and the SSE events that "
+        "carried each request's tokens (every process pays per event: the worker or "
+        "bridge hands Dynamo a chunk, the frontend frames it, the load generator parses "
+        "it; a process whose loop is saturated merges more tokens into each):"
+    )
+    cpu_figures = (("events / request", lambda x: fmt(x.events_per_request, 1)),)
 
     def goals(self) -> list[Goal]:
         s, a = self.summaries, self.summaries[ONE_PROCESS]
@@ -91,9 +99,8 @@ class Streaming:
         out += added_p50_at_c1(a, {t: s[t] for t in GOAL_TRANSPORTS}, TRANSPORTS)
         return out
 
-    def render(self) -> str:
-        s = self.summaries
-        lines = [
+    def notes(self) -> list[str]:
+        return [
             "## 7. Streamed completions through Dynamo's frontend (sim engine, zero delay, "
             f"{PROMPT_TOKENS}-token prompts, {GEN_TOKENS} tokens out, streamed as they come)",
             "",
@@ -112,39 +119,6 @@ class Streaming:
             "milliseconds the hop adds to it.",
             "",
         ]
-        lines += one_process_vs_split_table(
-            s,
-            ONE_PROCESS,
-            TRANSPORTS,
-            CONCURRENCY,
-            [RPS, TTFT_P50_MS, P50_MS],
-            [
-                ("TTFT (b)/(a)", lambda a, b: f"**{b.ttft_p50_ms / a.ttft_p50_ms:.2f}**"),
-                ("p50 +ms", lambda a, b: f"{b.p50_ms - a.p50_ms:+.2f}"),
-            ],
-        )
-        lines += goals_and_failures(self.goals(), s)
-        lines += [
-            "CPU milliseconds per streamed request, by process, and the SSE events that "
-            "carried each request's tokens (every process pays per event: the worker or "
-            "bridge hands Dynamo a chunk, the frontend frames it, the load generator parses "
-            "it; a process whose loop is saturated merges more tokens into each):",
-            "",
-        ]
-        rows = []
-        for c in CONCURRENCY:
-            for name in CONFIGS:
-                cpu = s[name][c].cpu_ms
-                rows.append(
-                    [
-                        c,
-                        TRANSPORTS.get(name, "one process"),
-                        *cpu_cells(cpu),
-                        fmt(s[name][c].events_per_request, 1),
-                    ]
-                )
-        lines += table(["conc", "config", *CPU_HEADER, "events / request"], "rlrrrrrr", rows)
-        return "\n".join([*lines, ""])
 
 
 def stream_sender(

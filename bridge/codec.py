@@ -15,7 +15,7 @@ turns it into Dynamo's ``InvalidArgument`` (HTTP 400 with the message).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Required, TypedDict
 
 from bridge.rollout_wire import ProtocolError, rollout_wire, routed_experts_wire, stop_reason
@@ -321,15 +321,22 @@ def engine_data_requested(request: Mapping[str, Any]) -> bool:
     """Whether the client's ``nvext.extra_fields`` names "engine_data". Dynamo's
     preprocessor passes the client's nvext on in ``extra_args.nvext``; a request
     built by hand may carry ``nvext`` itself."""
+    for nvext in nvext_sources(request):
+        fields = nvext.get("extra_fields")
+        if isinstance(fields, list) and ENGINE_DATA_FIELD in fields:
+            return True
+    return False
+
+
+def nvext_sources(request: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The client's nvext objects: the request's own, then the preprocessor's copy."""
     extra_args = request.get("extra_args")
     for nvext in (
         request.get("nvext"),
         extra_args.get("nvext") if isinstance(extra_args, Mapping) else None,
     ):
-        fields = nvext.get("extra_fields") if isinstance(nvext, Mapping) else None
-        if isinstance(fields, list) and ENGINE_DATA_FIELD in fields:
-            return True
-    return False
+        if isinstance(nvext, Mapping):
+            yield nvext
 
 
 def logprobs_requested(request: Mapping[str, Any]) -> bool:

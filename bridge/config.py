@@ -30,7 +30,7 @@ from dynamo.llm import ModelInput
 
 from bridge.client import ClientOptions
 from launch.bridge_command import BridgeLaunch
-from launch.config_flags import add_fields, flag, from_args
+from launch.config_flags import add_fields, flag, from_args, log_level_field
 from rl_client.admin_token import TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from rl_client.tls import TlsOptions
 
@@ -159,13 +159,7 @@ class BridgeConfig(BridgeLaunch):
     )
     client: ClientOptions = field(default_factory=ClientOptions)
     # Upper-cased when the config is made (logging's spelling).
-    log_level: str = field(
-        default="info",
-        metadata=flag(
-            "Level of the bridge's own logger (Dynamo's follow DYN_LOG).",
-            choices=("debug", "info", "warning", "error"),
-        ),
-    )
+    log_level: str = log_level_field("Level of the bridge's own logger (Dynamo's follow DYN_LOG).")
     # With enable_rl the RL admin routes are also described on the request plane
     # ("<ns>.<component>.rl"); rl_routes serves them on the system port.
     enable_rl: bool = field(

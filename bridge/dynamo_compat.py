@@ -16,6 +16,9 @@ that starts Dynamo's programs, one call that works on either:
 - ``frontend_router_reset_flags``: NeMo RL always passes the frontend
   ``--router-reset-states`` or ``--no-router-reset-states``; 1.3.0.post1's
   frontend takes them, 1.6.1's refuses them and exits.
+- ``publishes_cache_salt``: 1.6.1's ``KvEventPublisher.publish_stored`` takes
+  a stored chain's ``cache_salt`` (its router keeps salted prefixes apart);
+  1.3.0.post1's takes none, so the salt is left off there.
 - ``token_in_token_out_runtime_data``: 1.6.1's frontend serves vLLM's
   ``POST /inference/v1/generate`` (with ``DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE``)
   to workers whose card says ``runtime_data["vllm_inference_v1_generate"]``;
@@ -121,6 +124,14 @@ def frontend_router_reset_flags(reset: bool) -> list[str]:
 # ``/inference/v1/generate``: Rust's ``VLLM_INFERENCE_V1_GENERATE_CAPABILITY``,
 # dynamo.vllm's ``engine_generate.VLLM_GENERATE_CAPABILITY``.
 TOKEN_IN_TOKEN_OUT_CAPABILITY = "vllm_inference_v1_generate"
+
+
+@functools.cache
+def publishes_cache_salt() -> bool:
+    """Whether the installed Dynamo's KV publisher takes a stored event's cache salt."""
+    from dynamo._core import KvEventPublisher
+
+    return _takes(KvEventPublisher.publish_stored, "cache_salt")
 
 
 @functools.cache

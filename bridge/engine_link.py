@@ -28,6 +28,7 @@ from bridge.config import BridgeConfig
 from bridge.engine_watch import EngineWatch
 from bridge.registration import Registration
 from bridge.swap import unfollowable_changes
+from bridge.tasks import cancel_and_wait
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.committed import CommittedStore
 
@@ -301,9 +302,7 @@ class EngineLink:
         with contextlib.suppress(KeyError):
             metrics.REGISTRY.unregister(self._server_info)
         for task in (self._refreshing, self._catching_up):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         self._refreshing = self._catching_up = None
         watch, self._watch = self._watch, None
         if watch is not None:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from bridge.client import EngineClient, Health
+from bridge.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,7 @@ class EngineWatch:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     def recheck(self) -> int:
         """The owner left the pool itself (its engine goes to sleep) or finds itself

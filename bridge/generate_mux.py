@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import grpc
 
-from bridge.tagged_mux import MuxStream, OpenStream, StreamKind, TaggedMux, result_error
+from bridge.tagged_mux import MuxStream, StreamKind, TaggedMux, result_error
 from engine_contract.v1 import engine_pb2 as pb
 
 GENERATES = StreamKind(
@@ -110,19 +110,12 @@ class PendingGenerate:
         return True
 
 
-class GenerateMux(TaggedMux[PendingGenerate]):
+class GenerateMux(TaggedMux[pb.GenerateRequest, PendingGenerate]):
     """Starts completions on a Generates stream it opens on demand (``open_stream``)."""
 
-    def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
-        super().__init__(GENERATES, open_stream, max_message_bytes)
+    kind = GENERATES
 
-    def start(
-        self, request: pb.GenerateRequest, trace: Mapping[str, str] | None = None
-    ) -> PendingGenerate:
-        """Start a completion; raises AioRpcError at once when it cannot be sent."""
-        return self._begin(request, _pending_generate, trace)
-
-
-def _pending_generate(stream: MuxStream[PendingGenerate], tag: int) -> PendingGenerate:
-    taken = (lambda: stream.taken(tag)) if stream.paced else None
-    return PendingGenerate(lambda: stream.cancelled(tag), taken)
+    @staticmethod
+    def _pending(stream: MuxStream[PendingGenerate], tag: int) -> PendingGenerate:
+        taken = (lambda: stream.taken(tag)) if stream.paced else None
+        return PendingGenerate(lambda: stream.cancelled(tag), taken)

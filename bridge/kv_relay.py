@@ -18,6 +18,7 @@ import grpc
 from bridge import metrics
 from bridge.client import EngineClient
 from bridge.kv_view import RouterView, Verdict
+from bridge.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ class KvRelay:
     async def stop(self) -> None:
         """Stop the stream; safe to call twice or without start()."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     # -- stream ------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from bridge import metrics
+from bridge.dynamo_compat import publishes_cache_salt
 from engine_contract.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,7 @@ class RouterView:
                         else None
                     ),
                     "lora_name": stored.lora_name or None,
+                    **_salt(stored.cache_salt),
                 },
             )
         elif which == "removed":
@@ -312,6 +314,12 @@ class RouterView:
     def reset_position(self) -> None:
         self.last_seq = None
         self._snapshot_next = None
+
+
+def _salt(cache_salt: str) -> dict[str, str]:
+    """A salted chain's namespace for the router, where Dynamo takes one (a salt it
+    cannot take is left off: its router then counts the chain as unsalted)."""
+    return {"cache_salt": cache_salt} if cache_salt and publishes_cache_salt() else {}
 
 
 def _publish(publisher: KvPublisher, kind: str, kwargs: dict[str, Any]) -> None:

@@ -19,15 +19,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_contract.metric_buckets import LATENCY_BUCKETS, PER_MESSAGE_BUCKETS
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 # No ``*_created`` series (they would double what Dynamo renders per scrape).
 disable_created_metrics()
 
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-)  # fmt: skip
-PER_MESSAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # From the engine's emit to Dynamo's publisher: sub-millisecond up to a stalled relay.
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bridge.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 # EX_TEMPFAIL: try again (a supervisor restarts the bridge).
@@ -167,9 +169,7 @@ class Registration:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     async def leave(self, reason: str) -> None:
         """Out of the router's pool (the model card stays registered; the frontend

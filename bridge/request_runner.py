@@ -23,7 +23,7 @@ from dynamo._core import Context
 from dynamo.common.backend.engine import GenerateChunk, GenerateRequest
 from dynamo.common.backend.health_check import is_probe
 
-from bridge import codec, errors, metrics, tito, weight_refusal
+from bridge import cache_salt, codec, errors, metrics, tito, weight_refusal
 from bridge.client import EngineClient
 from bridge.config import BridgeConfig
 from bridge.dynamo_compat import normalize_request_token_ids
@@ -169,6 +169,7 @@ class RequestRunner:
         """One Rollout: the whole answer in one chunk."""
         link = self.link
         message = codec.build_rollout_request(entry.request_id, request, spec)
+        cache_salt.apply(message, cache_salt.requested(request, None), client.server_revision)
         rank = self._routed_rank(request)
         if rank is not None:
             message.data_parallel_rank = rank
@@ -249,6 +250,7 @@ class RequestRunner:
             if plan is not None
             else codec.build_generate_request(entry.request_id, request)
         )
+        cache_salt.apply(message, cache_salt.requested(request, envelope), client.server_revision)
         trace = (
             codec.TokenTrace(message.prompt_token_ids)
             if plan is None and codec.engine_data_requested(request)

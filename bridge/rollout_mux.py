@@ -10,12 +10,11 @@ aborted.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from typing import Any
 
 from bridge.tagged_mux import (
     MuxStream,
-    OpenStream,
     StreamKind,
     StreamLimits,
     TaggedMux,
@@ -61,22 +60,15 @@ class PendingRollout:
             self._future.set_exception(error)
 
 
-class RolloutMux(TaggedMux[PendingRollout]):
+class RolloutMux(TaggedMux[pb.RolloutRequest, PendingRollout]):
     """Starts rollouts on a Rollouts stream it opens on demand (``open_stream``)."""
 
-    def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
-        super().__init__(ROLLOUTS, open_stream, max_message_bytes)
+    kind = ROLLOUTS
 
-    def start(
-        self, request: pb.RolloutRequest, trace: Mapping[str, str] | None = None
-    ) -> PendingRollout:
-        """Start a rollout; raises AioRpcError at once when it cannot be sent."""
-        return self._begin(request, _pending_rollout, trace)
-
-
-def _pending_rollout(stream: MuxStream[PendingRollout], tag: int) -> PendingRollout:
-    future: asyncio.Future[pb.RolloutResponse] = asyncio.get_running_loop().create_future()
-    # Answered ones left the stream's pending already; one still there when its
-    # future is done was cancelled by its caller (abort, or the awaiting task).
-    future.add_done_callback(lambda _: stream.cancelled(tag))
-    return PendingRollout(future)
+    @staticmethod
+    def _pending(stream: MuxStream[PendingRollout], tag: int) -> PendingRollout:
+        future: asyncio.Future[pb.RolloutResponse] = asyncio.get_running_loop().create_future()
+        # Answered ones left the stream's pending already; one still there when its
+        # future is done was cancelled by its caller (abort, or the awaiting task).
+        future.add_done_callback(lambda _: stream.cancelled(tag))
+        return PendingRollout(future)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -69,6 +70,7 @@ class Pending(Protocol):
 
 
 P = TypeVar("P", bound=Pending)
+R = TypeVar("R")
 
 
 @dataclass
@@ -290,11 +292,14 @@ class MuxStream(Generic[P]):
             await asyncio.gather(self._reader, self._writer, return_exceptions=True)
 
 
-class TaggedMux(Generic[P]):
-    """Starts requests on a stream it opens on demand (``open_stream``)."""
+class TaggedMux(Generic[R, P]):
+    """Starts requests on a stream it opens on demand (``open_stream``). A kind's
+    subclass names its ``kind`` and how a started request is answered
+    (``_pending``); the rest is the same for every kind."""
 
-    def __init__(self, kind: StreamKind, open_stream: OpenStream, max_message_bytes: int) -> None:
-        self.kind = kind
+    kind: ClassVar[StreamKind]
+
+    def __init__(self, open_stream: OpenStream, max_message_bytes: int) -> None:
         self._open = open_stream
         self.max_message_bytes = max_message_bytes
         self.limits = StreamLimits()
@@ -304,14 +309,13 @@ class TaggedMux(Generic[P]):
         self._next_tag = 1
         self._closed = False
 
-    def _begin(
-        self,
-        request: Any,
-        make: Callable[[MuxStream[P], int], P],
-        trace: Mapping[str, str] | None = None,
-    ) -> P:
-        """Start ``request``, answered by ``make(stream, tag)``; raises AioRpcError at
-        once when it cannot be sent."""
+    @staticmethod
+    @abstractmethod
+    def _pending(stream: MuxStream[P], tag: int) -> P:
+        """The caller's handle on the request started under ``tag``."""
+
+    def start(self, request: R, trace: Mapping[str, str] | None = None) -> P:
+        """Start ``request``; raises AioRpcError at once when it cannot be sent."""
         if self._closed:
             raise grpc.aio.UsageError(f"the {self.kind.noun}s stream is closed")
         stream = self._stream
@@ -321,7 +325,7 @@ class TaggedMux(Generic[P]):
             )
         tag = self._next_tag
         self._next_tag += 1
-        return stream.start(tag, request, make(stream, tag), trace)
+        return stream.start(tag, request, self._pending(stream, tag), trace)
 
     async def close(self) -> None:
         """End the stream (the server aborts what still runs on it). Idempotent."""

@@ -42,7 +42,7 @@ _ENVELOPE_FIELDS = frozenset(
         "model",  # the frontend routed by it
         "stream",  # true is answered 501 by the frontend itself
         "stream_options",
-        "cache_salt",
+        "cache_salt",  # bridge.cache_salt reads it
         "priority",
         "kv_transfer_params",
         # Answer metadata, or hints for structured outputs (refused anyway): no token
@@ -195,12 +195,6 @@ def _check_envelope(env: Mapping[str, Any]) -> None:
     unknown = sorted(k for k in env if k not in _ENVELOPE_FIELDS and _set(env[k]))
     if unknown:
         raise RequestError(f"{unknown[0]}: not supported by this engine")
-    if env.get("cache_salt"):
-        # Its meaning is a prefix cache of its own, which the contract cannot ask for:
-        # served without it, the request would share cached blocks it must not.
-        raise RequestError(
-            "cache_salt: not supported by this engine (the engine contract has no cache salt)"
-        )
     priority = env.get("priority") or 0
     if priority != 0:
         # What vLLM answers under its default first-come-first-served scheduling.

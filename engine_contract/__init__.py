@@ -54,20 +54,25 @@ this file and ``v1/__init__.py`` are written by hand.
 #      UpdateWeightVersion may carry expect_weight_changes and are refused
 #      FAILED_PRECONDITION, nothing changed, when the counter moved on (another
 #      writer came first). Clients send it only to servers of
-#      WEIGHT_FENCE_REVISION or later (an older server ignores it).
-CONTRACT_REVISION = 10
-MINIMUM_CLIENT_REVISION = 9
-MINIMUM_SERVER_REVISION = 9
-# The first server revision that fences weight changes (expect_weight_changes):
-# a revision-9 server, inside the window, lacks it.
-WEIGHT_FENCE_REVISION = 10
+#      revision 10 or later (an older server ignores it).
+#  11  Cache salt: GenerateRequest.cache_salt puts a request's prompt blocks in
+#      a prefix-cache namespace of their own (vLLM's cache_salt; outputs
+#      unchanged), and BlockStored.cache_salt names the salted chain an event
+#      extends, for the router. Clients send it only to servers of
+#      CACHE_SALT_REVISION or later (an older server ignores it).
+CONTRACT_REVISION = 11
+MINIMUM_CLIENT_REVISION = 10
+MINIMUM_SERVER_REVISION = 10
+# The first server revision that honours GenerateRequest.cache_salt: a
+# revision-10 server, inside the window, lacks it.
+CACHE_SALT_REVISION = 11
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
 __all__ = [
+    "CACHE_SALT_REVISION",
     "CONTRACT_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",
     "SERVICE_NAME",
-    "WEIGHT_FENCE_REVISION",
 ]

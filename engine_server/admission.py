@@ -145,6 +145,17 @@ def required_weight_version(request: pb.RolloutRequest | pb.GenerateRequest) -> 
     return version
 
 
+def cache_salt(request: pb.RolloutRequest | pb.GenerateRequest) -> str | None:
+    """The request's prefix-cache namespace (revision 11), printable as a label is;
+    None: the shared cache."""
+    if not request.HasField("cache_salt"):
+        return None
+    problem = label_problem(request.cache_salt)
+    if problem is not None:
+        raise InvalidRequest("cache_salt", problem)
+    return request.cache_salt
+
+
 def plan_rollout(
     request: pb.RolloutRequest, info: EngineInfo, defaults: GenerationDefaults, limits: Limits
 ) -> Plan:
@@ -185,6 +196,7 @@ def plan_rollout(
         logprobs=0,
         return_routed_experts=routed_experts_wanted("routed_experts", request.routed_experts, info),
         data_parallel_rank=data_parallel_rank(request, info),
+        cache_salt=cache_salt(request),
     )
     return Plan(request.request_id, prompt, spec, required_weight_version(request))
 
@@ -283,5 +295,6 @@ def plan_generate(request: pb.GenerateRequest, info: EngineInfo, limits: Limits)
             "output.routed_experts", output.routed_experts, info
         ),
         data_parallel_rank=data_parallel_rank(request, info),
+        cache_salt=cache_salt(request),
     )
     return Plan(request.request_id, prompt, spec, required_weight_version(request))

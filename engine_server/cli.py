@@ -28,7 +28,7 @@ from engine_server.config import (
 )
 from engine_server.generation_config import GenerationConfig, load_generation_config
 from engine_server.server import EngineServerHandle, start_server
-from launch.config_flags import add_fields, flag, from_args
+from launch.config_flags import add_fields, flag, from_args, log_level_field
 
 log = logging.getLogger("engine_server")
 
@@ -41,13 +41,7 @@ class Command:
     backend: str = field(
         default="sim", metadata=flag("inference engine to serve", choices=sorted(BACKENDS))
     )
-    log_level: str = field(
-        default="info",
-        metadata=flag(
-            "level of the engine server's own logging",
-            choices=("debug", "info", "warning", "error"),
-        ),
-    )
+    log_level: str = log_level_field("level of the engine server's own logging")
     event_loop: str = field(
         default="auto",
         metadata=flag(

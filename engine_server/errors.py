@@ -42,26 +42,38 @@ class CapacityExceeded(ServerError):
 
 
 class NotReady(ServerError):
+    """The engine is still starting: retryable here, shortly."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class Draining(ServerError):
+    """The server is shutting down and takes nothing new: retryable elsewhere."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class EngineUnavailable(ServerError):
+    """The engine died, or a failed refit left it broken: retryable elsewhere."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class RevisionRejected(ServerError):
+    """The client states a contract revision older than this server accepts."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class KvPositionUnavailable(ServerError):
+    """A KV subscription asked for a position this server no longer holds."""
+
     code = grpc.StatusCode.OUT_OF_RANGE
 
 
 class EngineFailed(ServerError):
+    """The engine broke its side of the contract (no final output, misaligned logprobs)."""
+
     code = grpc.StatusCode.INTERNAL
 
 

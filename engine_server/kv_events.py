@@ -20,6 +20,7 @@ stops reading still holds is bounded by the server's stream write watchdog
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     block_size: int
     lora_name: str
+    cache_salt: str = ""
 
 
 class BlockMirror:
@@ -71,6 +73,7 @@ class BlockMirror:
                         tuple(event.token_ids[i * size : (i + 1) * size]),
                         size,
                         event.lora_name,
+                        event.cache_salt,
                     )
                     parent = block_hash
             elif isinstance(event, BlockRemoved):
@@ -99,15 +102,11 @@ class BlockMirror:
 
 def encode_event(event: object) -> pb.KvEvent:
     if isinstance(event, BlockStored):
-        stored = pb.BlockStored(
-            block_hashes=event.block_hashes,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_name=event.lora_name,
-        )
-        if event.parent_block_hash is not None:
-            stored.parent_block_hash = event.parent_block_hash
-        return pb.KvEvent(stored=stored)
+        # The message mirrors the event field for field; only the parent is optional.
+        fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+        if fields["parent_block_hash"] is None:
+            del fields["parent_block_hash"]
+        return pb.KvEvent(stored=pb.BlockStored(**fields))
     if isinstance(event, BlockRemoved):
         return pb.KvEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes))
     if isinstance(event, AllBlocksCleared):
@@ -260,6 +259,8 @@ class KvEventHub:
             stored.block_size = block.block_size
             if block.lora_name:
                 stored.lora_name = block.lora_name
+            if block.cache_salt:
+                stored.cache_salt = block.cache_salt
             if block.parent_hash is not None:
                 stored.parent_block_hash = block.parent_hash
         if shared:

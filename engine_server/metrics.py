@@ -42,6 +42,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_contract.metric_buckets import LATENCY_BUCKETS, PER_MESSAGE_BUCKETS
 from engine_contract.v1 import engine_pb2 as pb
 
 if TYPE_CHECKING:
@@ -51,13 +52,6 @@ log = logging.getLogger(__name__)
 # No ``*_created`` series: they double a scrape and no dashboard here reads them.
 disable_created_metrics()
 
-# Seconds: from a zero-delay rollout (~1 ms) to a long generation (minutes).
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-)  # fmt: skip
-# Items (answers, KV batches) per stream message: 1 up to the 256 a message holds.
-PER_MESSAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 RPC_CALLS = Counter(
     "engine_server_rpc_calls",

@@ -202,6 +202,33 @@ class RefitControl:
 
     # -- pause and resume -----------------------------------------------------
 
+    async def _stop_engine(
+        self,
+        mode: PauseMode,
+        step: Callable[[], Awaitable[None]],
+        undo: Callable[[], Awaitable[None]],
+    ) -> list[ActiveRequest]:
+        """Pause's and sleep's one way to stop the engine, under the lock, the state
+        already set: ABORT marks every request first; a step that fails unmarks
+        them and ``undo``es the state (a cancelled caller leaves the engine
+        stopped all the same). Returns the requests marked."""
+        marked = self._registry.mark_all_for_pause() if mode is PauseMode.ABORT else []
+        ABORT_PAUSE.inc(len(marked))
+        try:
+            await to_the_end(step())
+        except asyncio.CancelledError:
+            self._notify()  # stopped all the same; the caller left
+            raise
+        except BaseException as e:
+            self._registry.unmark_for_pause(marked)
+            await undo()
+            self._notify()
+            if isinstance(e, RefitUnsupported):
+                raise _unsupported(e) from e
+            raise
+        self._notify()
+        return marked
+
     async def pause(self, request: pb.PauseGenerationRequest) -> pb.PauseGenerationResponse:
         mode = PAUSE_MODES.get(request.mode)
         if mode is None:
@@ -215,25 +242,15 @@ class RefitControl:
                 mode = self.paused  # already stopped harder than asked
             # Paused from now: requests arriving during a WAIT drain wait at the gate.
             previous, self.paused = self.paused, mode
-            marked = self._registry.mark_all_for_pause() if mode is PauseMode.ABORT else []
-            ABORT_PAUSE.inc(len(marked))
-            try:
-                await to_the_end(self._backend.pause(mode, clear))
-            except asyncio.CancelledError:
-                self._notify()  # the engine paused all the same; the caller left
-                raise
-            except BaseException as e:
+
+            async def undo() -> None:
                 # The engine may have stopped part way: back to where it was.
-                self._registry.unmark_for_pause(marked)
                 if previous is None:
                     with contextlib.suppress(Exception):
                         await to_the_end(self._backend.resume())
                 self.paused = previous
-                self._notify()
-                if isinstance(e, RefitUnsupported):
-                    raise _unsupported(e) from e
-                raise
-            self._notify()
+
+            marked = await self._stop_engine(mode, lambda: self._backend.pause(mode, clear), undo)
             log.info(
                 "generation paused (%s, clear_cache=%s): %d aborted",
                 mode.value,
@@ -387,21 +404,11 @@ class RefitControl:
                 return
             # Asleep from now: new requests wait at the gate.
             self.sleeping = True
-            marked = self._registry.mark_all_for_pause() if mode is PauseMode.ABORT else []
-            ABORT_PAUSE.inc(len(marked))
-            try:
-                await to_the_end(self._backend.sleep(level, mode))
-            except asyncio.CancelledError:
-                self._notify()  # asleep all the same; the caller left
-                raise
-            except BaseException as e:
-                self._registry.unmark_for_pause(marked)
+
+            async def undo() -> None:
                 self.sleeping = False
-                self._notify()
-                if isinstance(e, RefitUnsupported):
-                    raise _unsupported(e) from e
-                raise
-            self._notify()
+
+            await self._stop_engine(mode, lambda: self._backend.sleep(level, mode), undo)
 
     async def wake_up(self, tags: list[str]) -> bool:
         for i, tag in enumerate(tags):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -27,6 +28,25 @@ from engine_server.refit_requests import json_object, update_from_tensors
 from engine_server.rollout_stream import RolloutStream
 from engine_server.status import rpc
 from engine_server.tagged_stream import TaggedStream
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def refit_rpc(
+    method: Callable[[EngineServicer, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
+) -> Callable[[EngineServicer, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+    """``rpc`` for the refit cycle: every step needs the engine up, so each call is
+    UNAVAILABLE until it is (checked first, inside the status boundary)."""
+
+    @functools.wraps(method)
+    async def when_serving(
+        self: EngineServicer, request: Req, context: grpc.aio.ServicerContext
+    ) -> Resp:
+        self._core.serving()
+        return await method(self, request, context)
+
+    return rpc(when_serving)
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
@@ -181,90 +201,79 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     # -- the refit cycle (RefitControl holds its rules; WeightUpdates its ways in) --
 
-    @rpc
+    @refit_rpc
     async def PauseGeneration(
         self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PauseGenerationResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return await self._core.refit.pause(request)
 
-    @rpc
+    @refit_rpc
     async def ResumeGeneration(
         self, request: pb.ResumeGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResumeGenerationResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return await self._core.refit.resume()
 
-    @rpc
+    @refit_rpc
     async def IsPaused(
         self, request: pb.IsPausedRequest, context: grpc.aio.ServicerContext
     ) -> pb.IsPausedResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return pb.IsPausedResponse(paused=self._core.refit.paused is not None)
 
-    @rpc
+    @refit_rpc
     async def UpdateWeightsFromPath(
         self, request: pb.UpdateWeightsFromPathRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsFromPathResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return await self._core.updates.update_from_path(request)
 
-    @rpc
+    @refit_rpc
     async def UpdateWeightsFromTensors(
         self,
         request_iterator: AsyncIterator[pb.UpdateWeightsFromTensorsRequest],
         context: grpc.aio.ServicerContext,
     ) -> pb.UpdateWeightsFromTensorsResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return await update_from_tensors(self._core, request_iterator)
 
-    @rpc
+    @refit_rpc
     async def InitWeightTransferEngine(
         self, request: pb.InitWeightTransferEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitWeightTransferEngineResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         info = json_object("init_info_json", request.init_info_json)
         timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
         await self._core.updates.init_weight_transfer(info, timeout_s or None)
         return pb.InitWeightTransferEngineResponse()
 
-    @rpc
+    @refit_rpc
     async def StartWeightUpdate(
         self, request: pb.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartWeightUpdateResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         await self._core.updates.start_weight_update(request.options)
         return pb.StartWeightUpdateResponse()
 
-    @rpc
+    @refit_rpc
     async def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         info = json_object("update_info_json", request.update_info_json, arrays=True)
         await self._core.updates.update_weights(info)
         return pb.UpdateWeightsResponse()
 
-    @rpc
+    @refit_rpc
     async def FinishWeightUpdate(
         self, request: pb.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.FinishWeightUpdateResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return await self._core.updates.finish_weight_update(request)
 
-    @rpc
+    @refit_rpc
     async def ShutdownWeightTransferEngine(
         self, request: pb.ShutdownWeightTransferEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShutdownWeightTransferEngineResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         await self._core.updates.shutdown_weight_transfer()
         return pb.ShutdownWeightTransferEngineResponse()
 
-    @rpc
+    @refit_rpc
     async def GetWeightVersion(
         self, request: pb.GetWeightVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetWeightVersionResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         refit = self._core.refit
         return pb.GetWeightVersionResponse(
             weight_version=refit.version,
@@ -272,34 +281,30 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             weight_changes=refit.weight_changes,
         )
 
-    @rpc
+    @refit_rpc
     async def UpdateWeightVersion(
         self, request: pb.UpdateWeightVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightVersionResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         expect = (
             request.expect_weight_changes if request.HasField("expect_weight_changes") else None
         )
         return await self._core.refit.update_version(request.weight_version, expect)
 
-    @rpc
+    @refit_rpc
     async def Sleep(
         self, request: pb.SleepRequest, context: grpc.aio.ServicerContext
     ) -> pb.SleepResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         await self._core.refit.sleep(request)
         return pb.SleepResponse()
 
-    @rpc
+    @refit_rpc
     async def WakeUp(
         self, request: pb.WakeUpRequest, context: grpc.aio.ServicerContext
     ) -> pb.WakeUpResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return pb.WakeUpResponse(awake=await self._core.refit.wake_up(list(request.tags)))
 
-    @rpc
+    @refit_rpc
     async def IsSleeping(
         self, request: pb.IsSleepingRequest, context: grpc.aio.ServicerContext
     ) -> pb.IsSleepingResponse:
-        self._core.serving()  # UNAVAILABLE until the engine is up
         return pb.IsSleepingResponse(sleeping=self._core.refit.sleeping)

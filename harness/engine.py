@@ -4,10 +4,12 @@ loop, its load (and waits on it), its health, its KV cache."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -19,6 +21,7 @@ from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
 from engine_server.server import EngineServerHandle
+from harness.procs import Proc, ProcessGroup
 from harness.waits import WaitTimeout, Watched, wait_until
 
 T = TypeVar("T")
@@ -55,6 +58,33 @@ def tiny_vllm_args(max_model_len: int = 1024) -> list[str]:
         "--kv-cache-memory-bytes",
         str(64 << 20),
     ]
+
+
+def weight_transfer_args(backend: str) -> list[str]:
+    """The engine-server flags that give vLLM's weight-transfer engine ``backend``
+    ("gloo", "nccl") to trainers."""
+    return ["--weight-transfer-config", json.dumps({"backend": backend})]
+
+
+def tiny_vllm_server(
+    group: ProcessGroup,
+    name: str,
+    model_dir: Path,
+    *flags: str,
+    max_model_len: int = 1024,
+    timeout: float = 300.0,
+) -> tuple[Proc, str]:
+    """A vLLM engine server (``tiny_vllm_args``, then ``flags``) of ``model_dir`` in
+    ``group``; (proc, address) once it has its address."""
+    return group.engine_server(
+        name,
+        "--model",
+        str(model_dir),
+        *tiny_vllm_args(max_model_len),
+        *flags,
+        backend="vllm",
+        timeout=timeout,
+    )
 
 
 class InProcessServer:

@@ -1,8 +1,7 @@
 """Engine servers, bridges and Dynamo frontends started together: the whole path
 on loopback, with file discovery under one folder.
 
-    with ProcessGroup(root / "logs") as group:
-        stack = Stack.new(root, group, model_dir, "tiny")
+    with stack_under(root, model_dir, "tiny") as stack:
         _, address = stack.start_engine("engine", "--decode-step-ms", "2")
         stack.start_bridge("bridge", address)
         stack.start_frontend()
@@ -225,14 +224,23 @@ def registered_workers(kv_dir: Path, namespace: str) -> int:
 
 
 @contextmanager
+def stack_under(
+    root: Path, model_dir: Path, model: str, namespace: str | None = None
+) -> Iterator[Stack]:
+    """``Stack.new`` under ``root``, in a process group of its own (logs in
+    ``root/logs``): whatever the stack started is stopped on exit."""
+    with ProcessGroup(root / "logs") as group:
+        yield Stack.new(root, group, model_dir, model, namespace)
+
+
+@contextmanager
 def kv_routed_stack(
     root: Path, model_dir: Path, model: str, workers: int, *engine_args: str, namespace: str = ""
 ) -> Iterator[Stack]:
     """A serving stack under ``root``: ``workers`` sim engine servers (``engine_args``,
     seeds 0, 1, ...), each behind its own bridge, and a frontend routing by KV
     overlap (``KV_ROUTER_ARGS``)."""
-    with ProcessGroup(root / "logs") as group:
-        stack = Stack.new(root, group, model_dir, model, namespace or None)
+    with stack_under(root, model_dir, model, namespace or None) as stack:
         stack.start_workers(workers, *engine_args)
         stack.start_frontend(*KV_ROUTER_ARGS)
         stack.wait_serving(workers=workers, timeout=60)

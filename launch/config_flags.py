@@ -88,6 +88,14 @@ def flag(
     return {_KEY: spec}
 
 
+def log_level_field(help: str) -> Any:
+    """A program's ``log_level`` field: logging's level names, ``info`` by default
+    (both programs take the same names; each upper-cases it for ``logging``)."""
+    return dataclasses.field(
+        default="info", metadata=flag(help, choices=("debug", "info", "warning", "error"))
+    )
+
+
 def external(name: str) -> dict[str, Any]:
     """Field metadata for a field that another parser's flag sets (Dynamo's
     ``--namespace``): ``to_argv`` writes it; ``add_fields`` and ``from_args``

@@ -32,7 +32,6 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2
 
-from engine_contract import WEIGHT_FENCE_REVISION
 from engine_contract.refit_rules import pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
@@ -368,12 +367,7 @@ class EngineRefitClient(_FleetClient):
         return (await self._engines[worker].update_weight_version(request)).weight_changes
 
     async def _changes(self, worker: str) -> int | None:
-        """The count, from a server that fences (an older one would ignore the
-        fence: None, unfenced)."""
-        info = await self._engines[worker].server_info()
-        if info.contract_revision < WEIGHT_FENCE_REVISION:
-            return None
-        return info.refit_state.weight_changes
+        return (await self._engines[worker].server_info()).refit_state.weight_changes
 
     async def _serving(self, worker: str) -> str:
         return (await self._engines[worker].get_weight_version()).weight_version

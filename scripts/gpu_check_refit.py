@@ -41,6 +41,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 
 def greedy(stub, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:  # type: ignore[no-untyped-def]
@@ -149,20 +150,26 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
             "back on A from its folder: A's outputs",
         )
 
+        def nccl_refit(weights: Path, client: object) -> tuple[Any, Any, float]:
+            """``weights`` loaded on this process's GPU and sent by vLLM's NCCL trainer
+            engine, set up through ``client``, between Pause and Resume; (the trainer
+            engine, the model, the seconds from its rendezvous to the resume)."""
+            model = LlamaForCausalLM.from_pretrained(str(weights), dtype=torch.float32).cuda()
+            init = NCCLTrainerInitInfo(
+                master_address="127.0.0.1", master_port=free_port(), world_size=2
+            )
+            started = time.monotonic()
+            engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                init, client=client, source=ModuleSource(model)
+            )
+            stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
+            engine.send_weights()
+            stub.ResumeGeneration(pb.ResumeGenerationRequest())
+            return engine, model, round(time.monotonic() - started, 3)
+
         # NCCL: B from this process's GPU memory, sent by vLLM's trainer engine.
-        trainer_model = LlamaForCausalLM.from_pretrained(str(model_b), dtype=torch.float32).cuda()
         client = ContractWeightSyncClient(address, weight_version="nccl-b", timeout_s=300)
-        init = NCCLTrainerInitInfo(
-            master_address="127.0.0.1", master_port=free_port(), world_size=2
-        )
-        started = time.monotonic()
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=client, source=ModuleSource(trainer_model)
-        )
-        stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
-        engine.send_weights()
-        stub.ResumeGeneration(pb.ResumeGenerationRequest())
-        results["nccl_seconds"] = round(time.monotonic() - started, 3)
+        engine, _, results["nccl_seconds"] = nccl_refit(model_b, client)
         after = greedy(stub, prompts)
         expect(
             [r[:2] for r in after] == [r[:2] for r in reference_b],
@@ -202,19 +209,10 @@ def check(work: Path, results: dict[str, object]) -> list[str]:
         client.close()
 
         # NeMo RL's bodies ("packed": true per update) over NCCL: A back from GPU memory.
-        trainer_a = LlamaForCausalLM.from_pretrained(str(model_a), dtype=torch.float32).cuda()
         nemo_client = ContractWeightSyncClient(address, weight_version="nemo-a", timeout_s=300)
-        init = NCCLTrainerInitInfo(
-            master_address="127.0.0.1", master_port=free_port(), world_size=2
+        nemo, trainer_a, results["nemo_rl_nccl_seconds"] = nccl_refit(
+            model_a, NemoRlBodies(nemo_client)
         )
-        nemo = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=NemoRlBodies(nemo_client), source=ModuleSource(trainer_a)
-        )
-        started = time.monotonic()
-        stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
-        nemo.send_weights()
-        stub.ResumeGeneration(pb.ResumeGenerationRequest())
-        results["nemo_rl_nccl_seconds"] = round(time.monotonic() - started, 3)
         back = greedy(stub, prompts)
         expect(
             [r[:2] for r in back] == [r[:2] for r in before]

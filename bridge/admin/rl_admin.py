@@ -63,7 +63,6 @@ from bridge.admin.weight_transfer import WeightTransfer
 from bridge.client import EngineClient
 from bridge.engine_watch import EngineWatch
 from bridge.registration import Registration
-from engine_contract import WEIGHT_FENCE_REVISION
 from engine_contract.refit_rules import PAUSE_MODE_CHOICES, PAUSE_MODES
 from engine_contract.text import clip
 from engine_contract.v1 import engine_pb2 as pb
@@ -154,9 +153,7 @@ class RlAdmin:
         self._watch = watch
         # A Dynamo request id -> the engine request id it runs under.
         self._engine_request_id = engine_request_id
-        self._transfer = WeightTransfer(
-            self._refit, lambda body: self._fenceable(_expected_changes(body))
-        )
+        self._transfer = WeightTransfer(self._refit, _expected_changes)
 
     def routes(self) -> dict[str, Route]:
         return {
@@ -197,26 +194,6 @@ class RlAdmin:
     def _refit(self) -> RefitRpc:
         return self._engine().refit
 
-    def _fenceable(self, expect: int | None) -> int | None:
-        """``expect``, once the engine server is known to honour it (an older one
-        would ignore the fence: refused rather than unfenced)."""
-        if expect is None:
-            return None
-        revision = self._engine().server_revision
-        if revision < WEIGHT_FENCE_REVISION:
-            raise ErrorAnswer(
-                f"'expect_weight_changes' needs an engine server of contract revision "
-                f"{WEIGHT_FENCE_REVISION} or later; this one implements {revision}"
-            )
-        return expect
-
-    def _count(self, count: int) -> Body:
-        """``weight_changes`` for an answer, from an engine server that keeps the count
-        (an older one answers 0 for it: left out, so a writer goes unfenced)."""
-        if self._engine().server_revision < WEIGHT_FENCE_REVISION:
-            return {}
-        return {"weight_changes": count}
-
     async def _version_state(self) -> Body:
         answer = await self._refit().get_weight_version()
         declared = bool(answer.declared)
@@ -224,7 +201,7 @@ class RlAdmin:
             "version": answer.weight_version if declared else None,
             "version_declared": declared,
             "serving": answer.weight_version,
-            **self._count(answer.weight_changes),
+            "weight_changes": answer.weight_changes,
         }
 
     # -- generation ----------------------------------------------------------
@@ -307,7 +284,7 @@ class RlAdmin:
         # A bad label before any RPC; otherwise dynamo.vllm's order: "not paused"
         # before anything else about the body.
         version = version_label(body["weight_version"]) if "weight_version" in body else None
-        expect = self._fenceable(_expected_changes(body))
+        expect = _expected_changes(body)
         options = pb.WeightUpdateOptions()
         await check_paused(self._refit, options)
         path = body.get("model_path")
@@ -328,7 +305,7 @@ class RlAdmin:
         answer = await self._refit().update_weights_from_path(
             pb.UpdateWeightsFromPathRequest(path=path, options=options)
         )
-        return {**updated(body), **self._count(answer.result.weight_changes)}
+        return {**updated(body), "weight_changes": answer.result.weight_changes}
 
     @_route
     async def update_weights_from_distributed(self, body: Body) -> Body:
@@ -359,12 +336,12 @@ class RlAdmin:
             raise ErrorAnswer("Missing 'weight_version' in body")
         value = body["weight_version"]
         label = version_label(value)
-        expect = self._fenceable(_expected_changes(body))
+        expect = _expected_changes(body)
         request = pb.UpdateWeightVersionRequest(weight_version=label)
         if expect is not None:
             request.expect_weight_changes = expect
         answer = await self._refit().update_weight_version(request)
-        return {"status": "ok", "version": value, **self._count(answer.weight_changes)}
+        return {"status": "ok", "version": value, "weight_changes": answer.weight_changes}
 
     # -- sleep --------------------------------------------------------------------
 

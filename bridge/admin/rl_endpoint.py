@@ -39,6 +39,7 @@ from bridge.admin.instance_alias import (
 from bridge.admin.rl_admin import Route
 from bridge.config import BridgeConfig
 from bridge.dynamo_compat import rl_route_registry
+from bridge.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,4 @@ class RlEndpoint:
         if runtime is not None:
             runtime.shutdown()
         serving, self._serving = self._serving, None
-        if serving is not None:
-            serving.cancel()
-            await asyncio.gather(serving, return_exceptions=True)
+        await cancel_and_wait(serving)

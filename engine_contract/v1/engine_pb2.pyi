@@ -219,7 +219,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_stop_strings: _Optional[int] = ..., max_stop_string_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_requests_in_flight: _Optional[int] = ..., max_rollouts_per_stream: _Optional[int] = ..., max_starts_per_message: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_kv_subscribers: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "greedy", "stop_strings", "max_new_tokens", "routed_experts", "data_parallel_rank", "required_weight_version")
+    __slots__ = ("request_id", "prompt_token_ids", "greedy", "stop_strings", "max_new_tokens", "routed_experts", "data_parallel_rank", "required_weight_version", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class RolloutRequest(_message.Message):
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     greedy: bool
@@ -236,7 +237,8 @@ class RolloutRequest(_message.Message):
     routed_experts: RoutedExpertsMode
     data_parallel_rank: int
     required_weight_version: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExpertsMode, str]] = ..., data_parallel_rank: _Optional[int] = ..., required_weight_version: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., routed_experts: _Optional[_Union[RoutedExpertsMode, str]] = ..., data_parallel_rank: _Optional[int] = ..., required_weight_version: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RolloutResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "matched_stop", "truncated", "usage", "routed_experts", "r3_stats", "instance_id", "weight_versions")
@@ -366,7 +368,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "output", "data_parallel_rank", "required_weight_version")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "output", "data_parallel_rank", "required_weight_version", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +376,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -381,7 +384,8 @@ class GenerateRequest(_message.Message):
     output: OutputOptions
     data_parallel_rank: int
     required_weight_version: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ..., required_weight_version: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ..., required_weight_version: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -585,18 +589,20 @@ class KvEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "cache_salt")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     lora_name: str
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes",)

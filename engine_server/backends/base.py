@@ -87,6 +87,9 @@ class SamplingSpec:
     return_routed_experts: bool = False
     # The data-parallel rank to run on (0-based, local); None: the engine picks.
     data_parallel_rank: int | None = None
+    # The prefix cache's namespace (vLLM's cache_salt): blocks are shared only
+    # with requests of the same salt. Never changes what is generated.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class BlockStored:
     token_ids: tuple[int, ...]  # block_size tokens per block, concatenated
     block_size: int
     lora_name: str = ""
+    # The cache salt of the chain these blocks extend ("" none; contract revision 11).
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

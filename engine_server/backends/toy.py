@@ -77,18 +77,19 @@ class ToyBackend(EngineBackend):
         self._sink = kv_event_sink
         return EngineInfo("toy", "", CONTEXT, BLOCK, 4096, 64, 2048, (EOS,), VOCAB, "toy", "1")
 
-    def _cache(self, tokens: Sequence[int]) -> int:
-        """Cache the full blocks of ``tokens`` (KV events for new ones); return the
-        length of the prefix that was cached already."""
+    def _cache(self, tokens: Sequence[int], salt: str | None) -> int:
+        """Cache the full blocks of ``tokens`` under ``salt`` (KV events for new ones);
+        return the length of the prefix that was cached already."""
         stored, parent, hit = [], None, 0
         for i in range(len(tokens) // BLOCK):
             block = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
-            key = int.from_bytes(hashlib.blake2b(repr((parent, block)).encode()).digest()[:8])
+            chain = (parent if i else salt, block)  # the salt keys the first block
+            key = int.from_bytes(hashlib.blake2b(repr(chain).encode()).digest()[:8])
             if key in self._cached:
                 hit += BLOCK if hit == i * BLOCK else 0
             else:
                 self._cached.add(key)
-                stored.append(BlockStored((key,), parent, block, BLOCK))
+                stored.append(BlockStored((key,), parent, block, BLOCK, "", salt or ""))
             parent = key
         if stored and self._sink is not None:
             self._sink(KvEventBatch(tuple(stored), time.time_ns()))
@@ -106,7 +107,7 @@ class ToyBackend(EngineBackend):
         rng = random.Random(spec.seed if spec.seed is not None else request_id)
         stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {EOS})
         context, generated = list(prompt_token_ids), 0
-        cached = self._cache(context)
+        cached = self._cache(context, spec.cache_salt)
         self._live[request_id] = False
         try:
             while True:
@@ -117,7 +118,7 @@ class ToyBackend(EngineBackend):
                 elif generated >= spec.max_tokens or len(context) >= CONTEXT:
                     done = FinishReason.LENGTH
                 if done is not None:
-                    self._cache(context)
+                    self._cache(context, spec.cache_salt)
                     empty: list[float] | None = None if spec.logprobs is None else []
                     yield EngineOutput([], empty, None, True, done, None, 0, cached)
                     return
@@ -133,7 +134,7 @@ class ToyBackend(EngineBackend):
                     ranked = sorted(range(VOCAB), key=lambda t: -full[t])[: spec.logprobs]
                     out.top_logprobs = [[(t, full[t]) for t in ranked]]
                 if token in stops and generated >= spec.min_tokens:
-                    self._cache(context)
+                    self._cache(context, spec.cache_salt)
                     out.finished, out.finish_reason, out.stop_reason = (
                         True,
                         FinishReason.STOP,

@@ -18,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import engine_contract
 from bridge import codec
 from bridge.admin.rl_admin import RlAdmin
+from bridge.tagged_mux import rpc_error
+from engine_contract.refit_rules import PhaseRefusal
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from engine_server import tracing
@@ -352,3 +354,21 @@ def scripted_refit(engine: Scripts) -> RefitRpc:
     """The RefitRpc RlAdmin calls, each RPC answered by ``engine.handle``: a fake
     engine scripts the refit rules by method name, with no gRPC server."""
     return RefitRpc(_ScriptedStub(engine))  # type: ignore[arg-type]
+
+
+# The weight-transfer phases, in their order.
+TRANSFER_PHASES = ("StartWeightUpdate", "UpdateWeights", "FinishWeightUpdate")
+
+
+def transfer_after(method: str, started: bool) -> bool:
+    """Whether a weight update is in progress after ``method`` (one of
+    ``TRANSFER_PHASES``) when one was (``started``) before it. A phase out of
+    order is refused as the engine server refuses it: FAILED_PRECONDITION in
+    ``PhaseRefusal``'s words."""
+    if method == "StartWeightUpdate":
+        if started:
+            raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.ALREADY_STARTED.value)
+        return True
+    if not started:
+        raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.NOT_STARTED.value)
+    return method != "FinishWeightUpdate"

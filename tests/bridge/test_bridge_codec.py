@@ -8,6 +8,7 @@ import math
 import struct
 
 import pytest
+from google.protobuf.message import Message
 
 from bridge import codec
 from bridge.codec import RequestError
@@ -238,22 +239,18 @@ def test_non_finite_logprobs_become_the_floor() -> None:
 # -- ordinary completion -------------------------------------------------------------
 
 
+def optional_fields(message: Message) -> list[str]:
+    """The fields of ``message`` that the contract declares ``optional`` (absent
+    unless set)."""
+    return [field.name for field in message.DESCRIPTOR.fields if field.has_presence]
+
+
 def test_unset_options_stay_absent() -> None:
     msg = codec.build_generate_request("g", completion_request())
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        assert not msg.sampling.HasField(name), name
-    for name in ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output"):
-        assert not msg.stop.HasField(name), name
-    assert not msg.output.HasField("logprobs")
+    # Every optional sampling parameter, stop condition and output option.
+    for options in (msg.sampling, msg.stop, msg.output):
+        for name in optional_fields(options):
+            assert not options.HasField(name), name
     # The model EOS (hidden stop id) is still a stop token for the engine.
     assert list(msg.stop.stop_token_ids) == [1]
 

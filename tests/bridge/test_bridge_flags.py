@@ -5,6 +5,7 @@ writes (launch.bridge_command) read back as the same settings."""
 from __future__ import annotations
 
 import argparse
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -57,32 +58,47 @@ def test_the_old_spellings_are_refused(
     assert f"unrecognized arguments: {old} 3" in capsys.readouterr().err
 
 
-def test_new_spellings_reach_their_fields(model_dir: Path) -> None:
-    config = bridge(
-        model_dir,
-        "--connect-timeout-s", "7",
-        "--control-timeout-s", "3",
-        "--abort-timeout-s", "2",
-        "--engine-stall-timeout-s", "4",
-        "--rollout-timeout-s", "60",
-        "--exit-after-engine-gone-s", "9",
-        "--max-message-bytes", "4096",
-    )  # fmt: skip
-    assert (config.connect_timeout_s, config.stall_timeout_s) == (7, 4)
-    assert (config.rollout_timeout_s, config.exit_after_engine_gone_s) == (60, 9)
-    assert (config.client.control_timeout_s, config.client.abort_timeout_s) == (3, 2)
-    assert config.client.max_message_bytes == 4096
-
-
-def test_zero_still_means_off(model_dir: Path) -> None:
-    config = bridge(
-        model_dir,
-        "--engine-stall-timeout-s", "0",
-        "--rollout-timeout-s", "0",
-        "--exit-after-engine-gone-s", "0",
-    )  # fmt: skip
-    assert (config.stall_timeout_s, config.rollout_timeout_s) == (None, None)
-    assert config.exit_after_engine_gone_s is None
+@pytest.mark.parametrize(
+    ("argv", "fields"),
+    [
+        pytest.param(
+            (
+                "--connect-timeout-s", "7",
+                "--control-timeout-s", "3",
+                "--abort-timeout-s", "2",
+                "--engine-stall-timeout-s", "4",
+                "--rollout-timeout-s", "60",
+                "--exit-after-engine-gone-s", "9",
+                "--max-message-bytes", "4096",
+            ),
+            {
+                "connect_timeout_s": 7,
+                "stall_timeout_s": 4,
+                "rollout_timeout_s": 60,
+                "exit_after_engine_gone_s": 9,
+                "client.control_timeout_s": 3,
+                "client.abort_timeout_s": 2,
+                "client.max_message_bytes": 4096,
+            },
+            id="new-spellings-reach-their-fields",
+        ),
+        pytest.param(
+            (
+                "--engine-stall-timeout-s", "0",
+                "--rollout-timeout-s", "0",
+                "--exit-after-engine-gone-s", "0",
+            ),
+            {"stall_timeout_s": None, "rollout_timeout_s": None, "exit_after_engine_gone_s": None},
+            id="zero-still-means-off",
+        ),
+    ],
+)  # fmt: skip
+def test_flags_reach_their_fields(
+    model_dir: Path, argv: tuple[str, ...], fields: dict[str, object]
+) -> None:
+    """Each flag sets its field (``client.`` for the engine client's options)."""
+    config = bridge(model_dir, *argv)
+    assert {name: attrgetter(name)(config) for name in fields} == fields
 
 
 def test_defaults_are_the_dataclasses(model_dir: Path) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
+from dynamo._core import KvEventPublisher
+
 from bridge.client import EngineClient
+from bridge.dynamo_compat import publishes_cache_salt
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView, Verdict, to_signed
 from engine_contract.v1 import engine_pb2 as pb
@@ -83,6 +88,20 @@ def test_snapshot_then_live_batches_are_published() -> None:
     assert relay.subscription_request() == subscription(
         start_sequence_number=5, snapshot_if_unavailable=True, expected_instance_id="A"
     )
+
+
+def test_a_salted_chain_reaches_the_router_with_its_salt_where_dynamo_takes_one() -> None:
+    """The publisher's ``cache_salt`` (Dynamo 1.6.1; 1.3.0.post1's takes none, and the
+    call must not fail there), on every event of the salted chain only."""
+    relay, pub = relay_with_publisher()
+    salted = stored(1, 2)
+    salted.stored.cache_salt = "tenant-a"
+    relay.apply_batch(batch(1, salted, stored(3)))
+    want = {"cache_salt": "tenant-a"} if publishes_cache_salt() else {}
+    assert {k: v for k, v in pub.calls[0][1].items() if k == "cache_salt"} == want
+    assert "cache_salt" not in pub.calls[1][1]
+    real = inspect.signature(KvEventPublisher.publish_stored).parameters
+    assert set(pub.calls[0][1]) <= set(real)
 
 
 def test_all_cleared_removes_every_known_hash() -> None:

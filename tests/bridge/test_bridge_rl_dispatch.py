@@ -15,16 +15,20 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
 from aiohttp import web
 
 from bridge.admin.weight_transfer import INIT_TIMEOUT_ENV
-from bridge.tagged_mux import rpc_error
 from engine_contract.refit_rules import PHASE_ORDER, PhaseRefusal
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.weight_sync import DynamoWeightSyncClient, RouteError
-from tests.bridge.bridge_fakes import rl_admin, scripted_refit, serve_loopback
+from tests.bridge.bridge_fakes import (
+    TRANSFER_PHASES,
+    rl_admin,
+    scripted_refit,
+    serve_loopback,
+    transfer_after,
+)
 
 NEMO_FLAGS = {"allow_unpaused": True, "reset_prefix_cache": False}
 INIT_INFO = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
@@ -61,19 +65,10 @@ class Engine:
         self.calls.append((method, request))
         if method == "IsPaused":
             return pb.IsPausedResponse(paused=self.paused)
-        if method == "StartWeightUpdate":
-            if self.in_progress:
-                raise rpc_error(
-                    grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.ALREADY_STARTED.value
-                )
-            self.in_progress = True
-        elif method in ("UpdateWeights", "FinishWeightUpdate"):
-            if not self.in_progress:
-                raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.NOT_STARTED.value)
-            if method == "FinishWeightUpdate":
-                self.in_progress = False
-                if request.HasField("weight_version"):
-                    self.version = request.weight_version
+        if method in TRANSFER_PHASES:
+            self.in_progress = transfer_after(method, self.in_progress)
+            if method == "FinishWeightUpdate" and request.HasField("weight_version"):
+                self.version = request.weight_version
         elif method == "UpdateWeightVersion":
             self.version = request.weight_version
         elif method == "InitWeightTransferEngine" and self.hang_init:

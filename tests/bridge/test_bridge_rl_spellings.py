@@ -26,12 +26,12 @@ from bridge.admin.rl_admin import RlAdmin
 from bridge.admin.surface import AdminSurface
 from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port
 from bridge.tagged_mux import rpc_error
-from engine_contract.refit_rules import STALE_WRITER, PhaseRefusal, UpdateRefusal
+from engine_contract.refit_rules import STALE_WRITER, UpdateRefusal
 from engine_contract.v1 import engine_pb2 as pb
 from harness.prime_rl import PRIME_RL_ROUTES
 from rl_client.admin_token import AdminToken
 from rl_client.refit_rpc import RefitRpc
-from tests.bridge.bridge_fakes import FakeRegistration, scripted_refit
+from tests.bridge.bridge_fakes import FakeRegistration, scripted_refit, transfer_after
 
 NOT_PAUSED = UpdateRefusal.NOT_PAUSED.value
 
@@ -110,19 +110,12 @@ class Engine:
             if not self.paused and not request.options.allow_unpaused:
                 raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, NOT_PAUSED)
             self._fence(request.options)
-            if self.transfer:
-                raise rpc_error(
-                    grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.ALREADY_STARTED.value
-                )
-            self.transfer = True
+            self.transfer = transfer_after(method, self.transfer)
             self.changes += 1
         elif method in ("UpdateWeights", "FinishWeightUpdate"):
-            if not self.transfer:
-                raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, PhaseRefusal.NOT_STARTED.value)
-            if method == "FinishWeightUpdate":
-                self.transfer = False
-                if request.HasField("weight_version"):
-                    self.version, self.declared = request.weight_version, True
+            self.transfer = transfer_after(method, self.transfer)
+            if method == "FinishWeightUpdate" and request.HasField("weight_version"):
+                self.version, self.declared = request.weight_version, True
         return None
 
     # -- what EngineClient has besides its RefitRpc ------------------------------

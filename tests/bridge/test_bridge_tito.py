@@ -159,7 +159,6 @@ def test_vllms_own_readings(params: dict[str, Any], want: tuple[str, Any]) -> No
         ({"ignore_eos": "yes"}, {}, "sampling_params.ignore_eos"),
         ({"seed": 2**64}, {}, "sampling_params.seed"),
         ({"routed_experts_prompt_start": 3}, {}, "sampling_params.routed_experts_prompt_start"),
-        ({}, {"cache_salt": "tenant-a"}, "cache_salt"),
         ({}, {"priority": 1}, "priority"),
         ({}, {"kv_transfer_params": {"a": 1}}, "kv_transfer_params"),
         ({}, {"features": {"mm_hashes": {}}}, "features"),

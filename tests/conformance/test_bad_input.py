@@ -48,6 +48,7 @@ ROLLOUT_CASES: dict[str, tuple[Callable[[Info], pb.RolloutRequest], str]] = {
         "request_id",
     ),
     "unknown enum value": (lambda i: rollout(i, routed_experts=99), "routed_experts"),
+    "empty cache salt": (lambda i: rollout(i, cache_salt=""), "cache_salt"),
 }
 
 GENERATE_CASES: dict[str, tuple[Callable[[pb.GenerateRequest], object], str]] = {
@@ -71,6 +72,8 @@ GENERATE_CASES: dict[str, tuple[Callable[[pb.GenerateRequest], object], str]] = 
         lambda r: setattr(r.output, "routed_experts", 42),
         "output.routed_experts",
     ),
+    "cache salt with a newline": (lambda r: setattr(r, "cache_salt", "a\nb"), "cache_salt"),
+    "cache salt too long": (lambda r: setattr(r, "cache_salt", "s" * 257), "cache_salt"),
 }
 
 

@@ -19,7 +19,6 @@ stay as they were.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,12 @@ import pytest
 
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
-from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
+from harness.engine import (
+    greedy_rollout,
+    tiny_vllm_args,
+    tokens_and_logprobs,
+    weight_transfer_args,
+)
 from harness.http import http_json
 from harness.nemo_rl import send_gloo_weights
 from harness.ports import free_port, free_system_port
@@ -70,8 +74,7 @@ def dist_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Ite
         _, address = stack.start_engine(
             "engine",
             *VLLM_ARGS,
-            "--weight-transfer-config",
-            json.dumps({"backend": "gloo"}),
+            *weight_transfer_args("gloo"),
             backend="vllm",
             timeout=300,
         )

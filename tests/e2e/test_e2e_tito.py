@@ -139,8 +139,10 @@ class Answer:
     choice: dict[str, Any]
 
 
-def answer(stack: Stack, params: dict[str, Any], prompt: list[int] = PROMPT) -> Answer:
-    status, body = post(stack, params, prompt)
+def answer(
+    stack: Stack, params: dict[str, Any], prompt: list[int] = PROMPT, **envelope: Any
+) -> Answer:
+    status, body = post(stack, params, prompt, **envelope)
     assert status == 200, body
     (choice,) = body["choices"]
     tokens = choice["token_ids"]
@@ -272,7 +274,7 @@ REFUSED = [
     ),
     ({"temprature": 0.5}, {}, "sampling_params.temprature"),
     ({"stop": "x", "detokenize": False}, {}, "sampling_params.detokenize"),
-    ({}, {"cache_salt": "tenant-a"}, "cache_salt"),
+    ({}, {"cache_salt": "a\nb"}, "cache_salt"),
     ({}, {"priority": 3}, "priority"),
 ]
 
@@ -286,6 +288,47 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(tito: tuple[Stack, Di
         assert body["error"]["message"].startswith(name), (name, body)
     # And the worker serves on, unharmed.
     assert len(answer(stack, {"temperature": 0, "max_tokens": 3}).token_ids) == 3
+
+
+def cached_chains(stack: Stack) -> dict[str, dict[tuple[int, ...], int]]:
+    """The engine's prefix cache now, from its KV-event snapshot: per cache salt,
+    each block's tokens and hash."""
+    channel, stub = stack.engine_stub()
+    with channel:
+        size = stub.GetServerInfo(pb.GetServerInfoRequest()).engine_config.kv_block_size
+        call = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        chains: dict[str, dict[tuple[int, ...], int]] = {}
+        for message in call:
+            for event in message.batch.events:
+                if event.WhichOneof("event") == "stored":
+                    stored = event.stored
+                    for i, block_hash in enumerate(stored.block_hashes):
+                        tokens = tuple(stored.token_ids[i * size : (i + 1) * size])
+                        chains.setdefault(stored.cache_salt, {})[tokens] = block_hash
+            if message.batch.snapshot.last:
+                call.cancel()
+                return chains
+    raise AssertionError("the snapshot ended without its last part")
+
+
+@needs_vllm
+def test_a_cache_salt_keeps_its_blocks_apart_and_changes_nothing(
+    tito: tuple[Stack, Direct],
+) -> None:
+    """SkyRL's ``cache_salt`` (and any client's): the same prompt under two salts is
+    cached as two chains the engine names by their salts, and the answers are bit
+    for bit vLLM's own without a salt."""
+    stack, direct = tito
+    prompt = [(i * 53) % 300 + 3 for i in range(200)]  # several KV blocks
+    params = {"temperature": 0, "max_tokens": 6, "logprobs": 0}
+    want = native(direct, params, prompt)
+    assert_same(answer(stack, params, prompt, cache_salt="tenant-a"), want)
+    assert_same(answer(stack, params, prompt, cache_salt="tenant-b"), want)
+    chains = cached_chains(stack)
+    a, b = chains.get("tenant-a", {}), chains.get("tenant-b", {})
+    first = next(tokens for tokens in a if list(tokens) == prompt[: len(tokens)])
+    assert first in b and a[first] != b[first]  # one prompt, two chains
+    assert first not in chains.get("", {}) or chains[""][first] not in (a[first], b[first])
 
 
 def test_routed_experts_come_back_from_their_start(stack: Stack) -> None:

@@ -26,8 +26,7 @@ from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import tiny_weights_dir
 from harness.metrics import scrape
 from harness.ports import free_port
-from harness.procs import ProcessGroup
-from harness.stack import Stack
+from harness.stack import Stack, stack_under
 from rl_client import driver
 from rl_client.committed import FileCommittedStore
 from rl_client.refit import EngineRefitClient
@@ -74,9 +73,7 @@ class RefusalStack:
 def refusal_stack(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path
 ) -> Iterator[RefusalStack]:
-    root = tmp_path_factory.mktemp("refusal-stack")
-    with ProcessGroup(root / "logs") as group:
-        stack = Stack.new(root, group, model_dir, MODEL)
+    with stack_under(tmp_path_factory.mktemp("refusal-stack"), model_dir, MODEL) as stack:
         metrics_port = free_port()
         _, address = stack.start_engine(
             "engine", "--decode-step-ms", "1", "--metrics-port", str(metrics_port)

@@ -27,8 +27,7 @@ from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.http import http_json, post_rollout
 from harness.ports import free_port, free_system_port
-from harness.procs import ProcessGroup
-from harness.stack import Stack, registered_workers
+from harness.stack import Stack, registered_workers, stack_under
 from harness.waits import wait_until
 from rl_client import driver
 from tests.faults.faults_common import prompt, record
@@ -43,8 +42,7 @@ async def test_a_dead_engine_leaves_the_pool_and_its_restart_rejoins(
     tmp_path: Path, model_dir: Path
 ) -> None:
     listen = f"127.0.0.1:{free_port()}"
-    with ProcessGroup(tmp_path / "logs") as group:
-        stack = Stack.new(tmp_path, group, model_dir, MODEL)
+    with stack_under(tmp_path, model_dir, MODEL) as stack:
         first, address = stack.start_engine("engine-0", *SIM_ARGS, listen=listen)
         stack.start_bridge("bridge-0", address)
         _, survivor = stack.start_engine("engine-1", *SIM_ARGS)
@@ -116,9 +114,7 @@ def sleep_worker(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path
 ) -> Iterator[SleepWorker]:
     """One sim engine server behind one bridge (its RL routes on), file discovery."""
-    root = tmp_path_factory.mktemp("pool-sleep")
-    with ProcessGroup(root / "logs") as group:
-        stack = Stack.new(root, group, model_dir, "tiny-sleep")
+    with stack_under(tmp_path_factory.mktemp("pool-sleep"), model_dir, "tiny-sleep") as stack:
         _, address = stack.start_engine("engine", *SIM_ARGS)
         port = free_system_port()
         bridge = stack.start_bridge("bridge", address, DYN_SYSTEM_PORT=str(port))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -20,8 +22,8 @@ import pytest
 
 from harness.engine import idle, wait_load
 from harness.http import HttpOutcome, post_rollout, served_models
-from harness.procs import ProcessGroup, group_alive
-from harness.stack import Stack
+from harness.procs import Proc, group_alive
+from harness.stack import Stack, stack_under
 from harness.waits import wait_until
 from rl_client import driver
 from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
@@ -34,46 +36,57 @@ GRACE_S = 2.0
 SHORT, LONG = 25, 1500
 
 
-async def start_rollouts(
-    session: aiohttp.ClientSession, base: str, address: str, longs: int
-) -> tuple[list[asyncio.Task[HttpOutcome]], list[asyncio.Task[HttpOutcome]]]:
-    """8 rollouts that end well within the grace period and ``longs`` that never do,
-    all running in the engine when this returns (but short ones that already ended:
-    on a slow machine the first may end before the last arrives)."""
+@contextmanager
+def one_worker(
+    tmp_path: Path, model_dir: Path, engine_args: Sequence[str] = (), **bridge_env: str
+) -> Iterator[Stack]:
+    """MODEL served: one sim engine server (LONG_SIM_ARGS, then ``engine_args``)
+    behind one bridge (``bridge_env``: its DYN_* variables), and a frontend."""
+    with stack_under(tmp_path, model_dir, MODEL) as stack:
+        _, address = stack.start_engine("engine", *LONG_SIM_ARGS, *engine_args)
+        stack.start_bridge("bridge", address, **bridge_env)
+        stack.start_frontend()
+        stack.wait_serving()
+        yield stack
+
+
+async def sigterm_under_load(
+    session: aiohttp.ClientSession, stack: Stack, proc: Proc, longs: int
+) -> tuple[list[asyncio.Task[HttpOutcome]], list[asyncio.Task[HttpOutcome]], float]:
+    """8 rollouts that end well within the grace period and ``longs`` that never do;
+    once all run in the engine (but short ones that already ended: on a slow machine
+    the first may end before the last arrives), SIGTERM to ``proc``. Returns (the
+    short ones, the long ones, when the signal went)."""
     short = [
-        asyncio.create_task(post_rollout(session, base, MODEL, prompt(i), max_tokens=SHORT))
+        asyncio.create_task(
+            post_rollout(session, stack.base_url, MODEL, prompt(i), max_tokens=SHORT)
+        )
         for i in range(8)
     ]
     long = [
-        asyncio.create_task(post_rollout(session, base, MODEL, prompt(50 + i), max_tokens=LONG))
+        asyncio.create_task(
+            post_rollout(session, stack.base_url, MODEL, prompt(50 + i), max_tokens=LONG)
+        )
         for i in range(longs)
     ]
     running = len(short) + len(long)
     await asyncio.to_thread(
         wait_load,
-        address,
+        stack.address(),
         lambda load: load.running_requests + sum(t.done() for t in short) >= running,
         30,
     )
-    return short, long
+    proc.signal(signal.SIGTERM)
+    return short, long, time.monotonic()
 
 
 async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
-    with ProcessGroup(tmp_path / "logs") as group:
-        stack = Stack.new(tmp_path, group, model_dir, MODEL)
-        engine, address = stack.start_engine(
-            "engine", *LONG_SIM_ARGS, "--grace-period-s", str(GRACE_S)
-        )
-        bridge = stack.start_bridge("bridge", address)
-        stack.start_frontend()
-        stack.wait_serving()
-        base = stack.base_url
+    with one_worker(tmp_path, model_dir, ("--grace-period-s", str(GRACE_S))) as stack:
+        engine, bridge = stack.engines[0].proc, stack.bridges[0]
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            short, long = await start_rollouts(session, base, address, longs=8)
-            engine.signal(signal.SIGTERM)
-            sent = time.monotonic()
+            short, long, sent = await sigterm_under_load(session, stack, engine, longs=8)
             # Draining: new requests are refused at once (a migratable 5xx).
-            refused = await post_rollout(session, base, MODEL, prompt(99), max_tokens=2)
+            refused = await post_rollout(session, stack.base_url, MODEL, prompt(99), max_tokens=2)
             assert 500 <= refused.status < 600, (refused.status, refused.body)
             code = await asyncio.to_thread(engine.wait_exit, GRACE_S + 10)
             exit_s = time.monotonic() - sent
@@ -101,19 +114,11 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
 
 
 async def test_bridge_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
-    with ProcessGroup(tmp_path / "logs") as group:
-        stack = Stack.new(tmp_path, group, model_dir, MODEL)
-        engine, address = stack.start_engine("engine", *LONG_SIM_ARGS)
-        bridge = stack.start_bridge(
-            "bridge", address, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS=str(int(GRACE_S))
-        )
-        frontend = stack.start_frontend()
-        stack.wait_serving()
-        base = stack.base_url
+    grace = {"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": str(int(GRACE_S))}
+    with one_worker(tmp_path, model_dir, **grace) as stack:
+        engine, bridge, frontend = stack.engines[0].proc, stack.bridges[0], stack.frontend
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            short, long = await start_rollouts(session, base, address, longs=4)
-            bridge.signal(signal.SIGTERM)
-            sent = time.monotonic()
+            short, long, sent = await sigterm_under_load(session, stack, bridge, longs=4)
             code = await asyncio.to_thread(bridge.wait_exit, 30)
             exit_s = time.monotonic() - sent
             short_done = await asyncio.gather(*short)
@@ -123,7 +128,10 @@ async def test_bridge_sigterm_drains(tmp_path: Path, model_dir: Path) -> None:
         assert "bridge cleaned up" in bridge.log_tail(100_000)
         assert [o.status for o in short_done] == [200] * 8, [o.body for o in short_done]
         # Nothing left running in the engine; the model is gone from the frontend.
-        await asyncio.to_thread(wait_load, address, idle, 5)
-        wait_until(lambda: MODEL not in served_models(base), 10, "the model to go", [frontend])
+        await asyncio.to_thread(wait_load, stack.address(), idle, 5)
+        assert frontend is not None
+        wait_until(
+            lambda: MODEL not in served_models(stack.base_url), 10, "the model to go", [frontend]
+        )
         engine.check_alive()
         record("sigterm_bridge", grace_period_s=GRACE_S, exit_after_sigterm_s=round(exit_s, 2))

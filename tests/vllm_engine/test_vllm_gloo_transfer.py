@@ -64,7 +64,12 @@ from engine_server.gloo.rendezvous import RENDEZVOUS_GRACE_S, open_group
 from engine_server.vllm_compat import HAS_TRAINER_ENGINES
 from engine_server.weight_transfer_gloo import GlooWeightTransferEngine
 from harness.checkpoints import tiny_weights_dir
-from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
+from harness.engine import (
+    greedy_rollout,
+    tiny_vllm_server,
+    tokens_and_logprobs,
+    weight_transfer_args,
+)
 from harness.nemo_rl import static_gloo_round
 from harness.ports import free_port
 from harness.procs import ProcessGroup
@@ -373,19 +378,13 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """(a server on the tiny model with the gloo backend, a server started fresh on
     the seed-1 checkpoint)."""
     with ProcessGroup(tmp_path_factory.mktemp("gloo")) as group:
-        args = [*tiny_vllm_args(max_model_len=512), "--block-size", "32"]
-        _, on_a = group.engine_server(
-            "gloo-a",
-            "--model",
-            str(model_dir),
-            *args,
-            "--weight-transfer-config",
-            json.dumps({"backend": "gloo"}),
-            backend="vllm",
-            timeout=240,
+        args = ("--block-size", "32")
+        gloo = weight_transfer_args("gloo")
+        _, on_a = tiny_vllm_server(
+            group, "gloo-a", model_dir, *args, *gloo, max_model_len=512, timeout=240
         )
-        _, on_b = group.engine_server(
-            "fresh-b", "--model", str(tiny_weights_dir(1)), *args, backend="vllm", timeout=240
+        _, on_b = tiny_vllm_server(
+            group, "fresh-b", tiny_weights_dir(1), *args, max_model_len=512, timeout=240
         )
         yield on_a, on_b
 

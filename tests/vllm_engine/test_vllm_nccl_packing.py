@@ -48,7 +48,12 @@ from engine_server.backends.refit import WeightUpdateError
 from engine_server.backends.vllm.transfer_packing import InitTimePacking
 from engine_server.vllm_plugin import register_gloo_weight_transfer
 from engine_server.weight_transfer_gloo import GlooWeightTransferEngine
-from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs
+from harness.engine import (
+    greedy_rollout,
+    tiny_vllm_server,
+    tokens_and_logprobs,
+    weight_transfer_args,
+)
 from harness.procs import ProcessGroup
 from rl_client.refit_rpc import RefitRpc
 from tests.bridge.bridge_fakes import rl_admin
@@ -169,15 +174,8 @@ def test_engines_whose_update_info_declares_packed_get_it_unchanged() -> None:
 @pytest.fixture(scope="module")
 def nccl_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with ProcessGroup(tmp_path_factory.mktemp("nccl-packing")) as group:
-        _, address = group.engine_server(
-            "nccl",
-            "--model",
-            str(model_dir),
-            *tiny_vllm_args(max_model_len=512),
-            "--weight-transfer-config",
-            json.dumps({"backend": "nccl"}),
-            backend="vllm",
-            timeout=240,
+        _, address = tiny_vllm_server(
+            group, "nccl", model_dir, *weight_transfer_args("nccl"), max_model_len=512, timeout=240
         )
         yield address
 

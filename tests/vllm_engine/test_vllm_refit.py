@@ -22,7 +22,7 @@ from engine_contract.tensors import update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import greedy_rollout, tiny_vllm_args, tokens_and_logprobs, version_spans
+from harness.engine import greedy_rollout, tiny_vllm_server, tokens_and_logprobs, version_spans
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.vllm
@@ -34,12 +34,10 @@ Outputs = list[tuple[list[int], list[float]]]
 def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(a server on A, a server started fresh on B)."""
     with ProcessGroup(tmp_path_factory.mktemp("refit")) as group:
-        args = [*tiny_vllm_args(max_model_len=512), "--block-size", "32"]
-        _, on_a = group.engine_server(
-            "on-a", "--model", str(model_dir), *args, backend="vllm", timeout=240
-        )
-        _, on_b = group.engine_server(
-            "fresh-b", "--model", str(tiny_weights_dir(1)), *args, backend="vllm", timeout=240
+        args = ("--block-size", "32")
+        _, on_a = tiny_vllm_server(group, "on-a", model_dir, *args, max_model_len=512, timeout=240)
+        _, on_b = tiny_vllm_server(
+            group, "fresh-b", tiny_weights_dir(1), *args, max_model_len=512, timeout=240
         )
         yield on_a, on_b
 

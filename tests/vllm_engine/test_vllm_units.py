@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -25,6 +26,7 @@ from engine_server.backends.base import (
 )
 from engine_server.backends.vllm.kv_events import (
     KvEventSubscriber,
+    SaltChains,
     convert_batch,
     subscriber_side,
 )
@@ -172,6 +174,51 @@ def test_vllm_kv_batches_convert_to_the_contract_without_offloaded_tiers() -> No
         timestamp_unix_nanos=1_500_000_000,
         data_parallel_rank=2,
     )
+
+
+def _stored(
+    hashes: list[int], parent: int | None, extra: list[Any] | None, lora: str | None = None
+) -> vkv.BlockStored:
+    return vkv.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(range(4 * len(hashes))),
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=lora,
+        extra_keys=extra,
+    )
+
+
+def test_a_salted_chain_names_its_salt_on_every_event_that_extends_it() -> None:
+    """vLLM publishes a request's cache_salt in its chain's first block's extra keys
+    only (after the LoRA name, beside media pairs); every later event of the chain,
+    in this batch or a later one, names the salt through its parent."""
+    chains = SaltChains()
+
+    def convert(rank: int, *events: Any) -> list[str]:
+        batch = vkv.KVEventBatch(ts=1.0, events=list(events), data_parallel_rank=rank)
+        return [
+            e.cache_salt for e in convert_batch(batch, chains).events if isinstance(e, BlockStored)
+        ]
+
+    assert convert(
+        0,
+        _stored([1, 2], None, [("tenant-a",), None]),
+        _stored([3], 2, [None]),
+        _stored([10], None, [("lora-x", ("img", 0), "tenant-b")], lora="lora-x"),
+        _stored([20], None, [("lora-x",)], lora="lora-x"),
+        _stored([30], None, None),
+    ) == ["tenant-a", "tenant-a", "tenant-b", "", ""]
+    assert convert(0, _stored([4], 3, None), _stored([11], 10, None)) == ["tenant-a", "tenant-b"]
+    # Another rank's cache is its own; a removed or cleared block's salt is forgotten.
+    assert convert(1, _stored([5], 3, None)) == [""]
+    convert_batch(vkv.KVEventBatch(ts=1.0, events=[vkv.BlockRemoved([4], "GPU")]), chains)
+    assert convert(0, _stored([6], 4, None), _stored([7], 3, None)) == ["", "tenant-a"]
+    batch = vkv.KVEventBatch(ts=1.0, events=[vkv.AllBlocksCleared()], data_parallel_rank=0)
+    convert_batch(batch, chains)
+    assert convert(0, _stored([8], 3, None)) == [""]
 
 
 def test_the_subscriber_connects_to_a_wildcard_endpoint_and_binds_a_specific_one() -> None:

@@ -106,6 +106,7 @@ class PrefixCache:
         block_hashes: Sequence[int],
         parent_hash: int | None,
         token_ids: Sequence[int],
+        cache_salt: str = "",
     ) -> None:
         """Cache consecutive full blocks of one request and emit BlockStored.
 
@@ -120,15 +121,19 @@ class PrefixCache:
         group_start = 0
         for i, (block, h) in enumerate(zip(blocks, block_hashes, strict=True)):
             if h in self._cached:
-                self._close_stored(group, group_parent, token_ids[group_start * bs : i * bs])
+                self._close_stored(
+                    group, group_parent, token_ids[group_start * bs : i * bs], cache_salt
+                )
                 group, group_parent, group_start = [], h, i + 1
                 continue
             block.block_hash = h
             self._cached[h] = block
             group.append(h)
-        self._close_stored(group, group_parent, token_ids[group_start * bs :])
+        self._close_stored(group, group_parent, token_ids[group_start * bs :], cache_salt)
 
-    def _close_stored(self, hashes: list[int], parent: int | None, tokens: Sequence[int]) -> None:
+    def _close_stored(
+        self, hashes: list[int], parent: int | None, tokens: Sequence[int], cache_salt: str
+    ) -> None:
         if hashes:
             self._close_removed()
             self._events.append(
@@ -137,6 +142,7 @@ class PrefixCache:
                     parent_block_hash=parent,
                     token_ids=tuple(tokens),
                     block_size=self.block_size,
+                    cache_salt=cache_salt,
                 )
             )
 

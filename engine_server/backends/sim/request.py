@@ -13,7 +13,7 @@ from engine_server.backends.base import (
     RoutedExpertsArray,
     SamplingSpec,
 )
-from engine_server.backends.sim.hashing import ROOT_HASH, mix64
+from engine_server.backends.sim.hashing import ROOT_HASH, mix64, str_key
 from engine_server.backends.sim.prefix_cache import KvBlock
 from engine_server.backends.sim.sampler import RequestSampling
 from engine_server.backends.sim.tokenizer import TextStream
@@ -57,13 +57,15 @@ class SimRequest:
 
         # Rolling hash of the context, and its values at every full block
         # boundary: those are the block hashes (each a function of the parent
-        # block's hash and the block's tokens).
+        # block's hash and the block's tokens), mixed with the cache salt when
+        # there is one (a namespace of its own; sampling reads ctx_hash, unsalted).
+        self._salt_key = str_key(spec.cache_salt) if spec.cache_salt else None
         self.block_hashes: list[int] = []
         h = ROOT_HASH
         for i, t in enumerate(self.tokens, 1):
             h = mix64(h ^ t)
             if i % block_size == 0:
-                self.block_hashes.append(h)
+                self.block_hashes.append(self._block_hash(h))
         self.ctx_hash = h
 
         self.status = RequestStatus.WAITING
@@ -93,6 +95,9 @@ class SimRequest:
         self.weight_spans: list[list[str | int]] = []
         self._final_sent = False
         self.wakeup = asyncio.Event()
+
+    def _block_hash(self, ctx_hash: int) -> int:
+        return ctx_hash if self._salt_key is None else mix64(ctx_hash ^ self._salt_key)
 
     @property
     def num_output_tokens(self) -> int:
@@ -131,7 +136,7 @@ class SimRequest:
         h = mix64(self.ctx_hash ^ token)
         self.ctx_hash = h
         if len(self.tokens) % self.block_size == 0:
-            self.block_hashes.append(h)
+            self.block_hashes.append(self._block_hash(h))
         if self.output_counts is not None:
             self.output_counts[token] = self.output_counts.get(token, 0) + 1
             if self._context_set is not None:

@@ -155,6 +155,7 @@ class Scheduler:
                     req.block_hashes[start:full],
                     req.block_hashes[start - 1] if start else None,
                     req.tokens[start * bs : full * bs],
+                    req.spec.cache_salt or "",
                 )
                 req.num_committed_blocks = full
             if req.num_computed < len(req.tokens):

@@ -292,6 +292,8 @@ class VllmBackend(VllmRefit):
             raise base.EngineRequestError(str(e)) from e
         conv = OutputConverter(spec, len(prompt_token_ids))
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if spec.cache_salt is not None:
+            prompt["cache_salt"] = spec.cache_salt
         rank = spec.data_parallel_rank
         if rank is not None and self._info is not None:
             rank += self._info.data_parallel_start_rank  # vLLM numbers ranks globally

@@ -60,37 +60,90 @@ def block_hash_u64(h: int | bytes) -> int:
     return h & U64
 
 
-def convert_batch(batch: vkv.KVEventBatch) -> KvEventBatch:
+class SaltChains:
+    """Which cache salt each salted block's chain was started under (contract
+    revision 11's BlockStored.cache_salt).
+
+    vLLM mixes a request's cache_salt into its first block's hash only, and
+    publishes it in that block's ``extra_keys`` (untagged, after the LoRA name);
+    a later event extending the chain names only its parent. So the salt is read
+    where the chain starts and carried to every block below it; the map holds
+    salted blocks only, and forgets them as the engine does.
+    """
+
+    def __init__(self) -> None:
+        self._salt: dict[tuple[int, int], str] = {}  # (rank, block hash) -> salt
+
+    def stored(self, rank: int, ev: vkv.BlockStored, hashes: Sequence[int]) -> str:
+        """The salt of the chain ``ev`` extends ("" none), remembered for its blocks."""
+        if ev.parent_block_hash is None:
+            salt = _first_block_salt(ev)
+        else:
+            salt = self._salt.get((rank, block_hash_u64(ev.parent_block_hash)), "")
+        if salt:
+            self._salt.update(((rank, h), salt) for h in hashes)
+        return salt
+
+    def removed(self, rank: int, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._salt.pop((rank, h), None)
+
+    def cleared(self, rank: int) -> None:
+        self._salt = {key: salt for key, salt in self._salt.items() if key[0] != rank}
+
+
+def _first_block_salt(ev: vkv.BlockStored) -> str:
+    """The cache salt in a chain's first block's extra keys: its first string that
+    is not the LoRA name (the (identifier, offset) pairs of media are tuples)."""
+    keys = ev.extra_keys[0] if ev.extra_keys else None
+    lora = ev.lora_name
+    for key in keys or ():
+        if isinstance(key, str):
+            if lora is not None and key == lora:
+                lora = None  # the LoRA name comes first, once
+                continue
+            return key
+    return ""
+
+
+def convert_batch(batch: vkv.KVEventBatch, chains: SaltChains | None = None) -> KvEventBatch:
+    """Our events from vLLM's; ``chains``: the relay's salt map across batches
+    (None: a chain's salt is read only where the chain starts)."""
+    chains = chains if chains is not None else SaltChains()
+    rank = batch.data_parallel_rank or 0
     events: list[KvEvent] = []
     for ev in batch.events:
         if isinstance(ev, vkv.BlockStored):
             if ev.medium not in DEVICE_MEDIA:
                 continue
+            hashes = tuple(block_hash_u64(h) for h in ev.block_hashes)
             events.append(
                 BlockStored(
-                    block_hashes=tuple(block_hash_u64(h) for h in ev.block_hashes),
+                    block_hashes=hashes,
                     parent_block_hash=None
                     if ev.parent_block_hash is None
                     else block_hash_u64(ev.parent_block_hash),
                     token_ids=tuple(ev.token_ids),
                     block_size=ev.block_size,
                     lora_name=ev.lora_name or "",
+                    cache_salt=chains.stored(rank, ev, hashes),
                 )
             )
         elif isinstance(ev, vkv.BlockRemoved):
             if ev.medium not in DEVICE_MEDIA:
                 continue
-            events.append(
-                BlockRemoved(block_hashes=tuple(block_hash_u64(h) for h in ev.block_hashes))
-            )
+            hashes = tuple(block_hash_u64(h) for h in ev.block_hashes)
+            chains.removed(rank, hashes)
+            events.append(BlockRemoved(block_hashes=hashes))
         elif isinstance(ev, vkv.AllBlocksCleared):
+            chains.cleared(rank)
             events.append(AllBlocksCleared())
         else:  # a newer vLLM's event type: say so once per type rather than guess
             log.warning("ignoring unknown KV event type %s", type(ev).__name__)
     return KvEventBatch(
         events=tuple(events),
         timestamp_unix_nanos=int(batch.ts * 1e9),
-        data_parallel_rank=batch.data_parallel_rank or 0,
+        data_parallel_rank=rank,
     )
 
 
@@ -131,6 +184,7 @@ class KvEventSubscriber:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._decoder = msgspec.msgpack.Decoder(type=vkv.KVEventBatch)
+        self._chains = SaltChains()
         self._next_seq: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -224,7 +278,7 @@ class KvEventSubscriber:
         _, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
         try:
-            batch = convert_batch(self._decoder.decode(payload))
+            batch = convert_batch(self._decoder.decode(payload), self._chains)
         except (msgspec.DecodeError, msgspec.ValidationError):
             # Counted as lost by the gap check when the rank's next batch comes.
             log.exception("undecodable KV-event batch seq %d (a newer vLLM?); dropped", seq)
