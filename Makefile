@@ -133,11 +133,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Three pytest runs, all always run: the e2e suite (processes that mostly wait on
+# Set-up first, side by side where nothing is shared (the two environments install
+# at once; lint, the stubs' check and buf run while the low end installs). Then
+# three pytest runs, all always run: the e2e suite (processes that mostly wait on
 # each other) on two workers, a file per worker (pytest-xdist: measured faster
 # there, see docs/testing.md); the rest in order, as their timing bounds were
 # measured; then the version-specific suites at the low end of the range.
-test: $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
+TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
+
+test:
+	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
 	@rc=0; \
 	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e || rc=1; \
 	$(PY) -m pytest -q --ignore=tests/e2e || rc=1; \

@@ -180,6 +180,9 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         delay = 0.1
         last = "no answer"
+        # A server already up that fails our handshake says so now, not after a call's
+        # whole deadline of waiting for a connection that cannot come.
+        await self._refuse_on_tls_failure()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

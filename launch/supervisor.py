@@ -181,6 +181,10 @@ class ChildProcess:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._started = asyncio.Event()
+        # Clear while a process is being spawned: stop() waits for it, so that a
+        # child started just as it was asked to stop is stopped too.
+        self._not_spawning = asyncio.Event()
+        self._not_spawning.set()
 
     @property
     def pid(self) -> int | None:
@@ -223,9 +227,11 @@ class ChildProcess:
         failures = 0
         while not self._stopping:
             started = time.monotonic()
+            self._not_spawning.clear()
             try:
                 process = await self._spawn()
             except OSError as e:
+                self._not_spawning.set()
                 if not self._started.is_set():
                     self._log.error("starting %s failed: %s", self.name, e)
                     self._fatal(START_FAILED)
@@ -237,9 +243,16 @@ class ChildProcess:
                 )
                 await self._pause(pause)
                 continue
+            except BaseException:
+                self._not_spawning.set()
+                raise
             self.process = process
+            self._not_spawning.set()
             self._started.set()
             self._log.info("%s started (pid %d)", self.name, process.pid)
+            if self._stopping:  # terminate() came while it was being spawned
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
             await self.output.forward(process, f"[{self.name} {process.pid}] ")
             code = await process.wait()
             if self._stopping:
@@ -281,8 +294,11 @@ class ChildProcess:
                 os.kill(pid, signal.SIGTERM)
 
     async def stop(self, timeout_s: float) -> None:
-        """SIGTERM, up to ``timeout_s`` to exit, then SIGKILL."""
+        """SIGTERM, up to ``timeout_s`` to exit, then SIGKILL (a child being spawned
+        as it is called included)."""
         self.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._not_spawning.wait(), timeout_s)
         process = self.process
         if process is not None and process.returncode is None:
             try:

@@ -118,3 +118,25 @@ async def test_stop_kills_a_child_that_will_not_stop() -> None:
     started = time.monotonic()
     await child.stop(0.5)
     assert time.monotonic() - started < 5 and child.pid is None
+
+
+async def test_a_child_spawned_as_stop_is_called_is_stopped_too() -> None:
+    """stop() (or a signal handler's terminate()) landing while the process is being
+    spawned: the new child is signalled once it exists and stop() waits for it, so
+    none is left running for its parent-death signal to end."""
+    spawned: list[int] = []
+    child = ChildProcess("late", python("import time; time.sleep(60)"), {}, output=PassThrough())
+    spawn = child._spawn
+
+    async def slow_spawn() -> asyncio.subprocess.Process:
+        await asyncio.sleep(0.3)  # stop() comes in here
+        process = await spawn()
+        spawned.append(process.pid)
+        return process
+
+    child._spawn = slow_spawn  # type: ignore[method-assign]
+    child.start()
+    await asyncio.sleep(0.1)
+    await child.stop(5)
+    assert spawned and child.process is not None and child.process.returncode is not None
+    assert child.pid is None and child.restarts == 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from engine_server.backends.sim.prefix_cache import PrefixCache
 from engine_server.backends.sim.request import RequestStatus, SimRequest
@@ -31,26 +31,22 @@ class StepPlan:
     num_decode_tokens: int = 0
 
 
+@dataclass(eq=False)
 class Scheduler:
-    def __init__(
-        self,
-        cache: PrefixCache,
-        sampler: Sampler,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        on_finish: Callable[[SimRequest], None],
-    ) -> None:
-        self.cache = cache
-        self.sampler = sampler
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self._on_finish = on_finish
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.num_preemptions = 0
-        # The label of the weights the next tokens are sampled with.
-        self.weight_version = "default"
+    """The step's policy over the engine's queues; ``on_finish`` hears of each
+    request that stops."""
+
+    cache: PrefixCache
+    sampler: Sampler
+    _: KW_ONLY
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    on_finish: Callable[[SimRequest], None]
+    waiting: deque[SimRequest] = field(default_factory=deque)
+    running: list[SimRequest] = field(default_factory=list)
+    num_preemptions: int = 0
+    # The label of the weights the next tokens are sampled with.
+    weight_version: str = "default"
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -173,4 +169,4 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-                self._on_finish(req)
+                self.on_finish(req)
