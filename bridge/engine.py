@@ -120,6 +120,7 @@ class BridgeEngine(LLMEngine):
     async def start(self, worker_id: int) -> EngineConfig:
         cfg = self.config
         if self._system is not None:
+            await self._system.check_internal_port()
             await self._system.start()
         self._worker_id = worker_id
         info = await self.link.start(worker_id, on_stalled=self.runner.fail_stalled)

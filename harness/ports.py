@@ -12,9 +12,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_system_port() -> int:
-    """A free port below 32768: Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an i16
-    (the bridge picks its internal system port the same way)."""
-    from bridge.admin.system_server import free_dynamo_port
+# Workers' system ports, below 32768 (Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an
+# i16) and apart from where bridges draw their internal one
+# (``bridge.admin.system_server.INTERNAL_PORTS``), so that a bridge started first
+# never draws the port a later worker of the same test is given.
+SYSTEM_PORTS = range(10000, 20000)
 
-    return free_dynamo_port()
+
+def free_system_port() -> int:
+    """A port for a worker's system server, free right now."""
+    from bridge.admin.system_server import INTERNAL_PORTS, free_dynamo_port
+
+    assert SYSTEM_PORTS.stop <= INTERNAL_PORTS.start
+    return free_dynamo_port(SYSTEM_PORTS)

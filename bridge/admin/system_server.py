@@ -106,18 +106,65 @@ async def engine_route_body(request: web.Request) -> Any:
     return strict_json(raw) if raw.strip() else {}
 
 
-def free_dynamo_port() -> int:
-    """A free loopback port Dynamo can take (below 32768, where Linux hands out
-    none of its ephemeral ports, so a collision is unlikely until Dynamo binds)."""
+# How long start() gives Dynamo's system server to hold its internal port (it has
+# bound it by the time the runtime hands the worker over; a margin, not a wait).
+_INTERNAL_BIND_WAIT_S = 5.0
+# Where the internal port is drawn from: below 32768, where Linux hands out none of
+# its ephemeral ports. A port free when drawn can still be bound by someone else
+# (another worker's system port, say) before Dynamo binds it: SystemServer.start()
+# checks that Dynamo's server holds it.
+INTERNAL_PORTS = range(20000, _MAX_DYNAMO_PORT + 1)
+
+
+def free_dynamo_port(ports: range = INTERNAL_PORTS) -> int:
+    """A loopback port in ``ports`` free right now, that Dynamo can take."""
     for _ in range(200):
-        port = random.randint(20000, _MAX_DYNAMO_PORT)
+        port = random.choice(ports)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise OSError("no free port below 32768 for Dynamo's system server")
+    raise OSError(f"no free port in [{ports.start}, {ports.stop}) for Dynamo's system server")
+
+
+def _listening_inodes(port: int) -> set[int] | None:
+    """The socket inodes listening on loopback ``port`` (None: no /proc to read)."""
+    wanted = f":{port:04X}"
+    inodes: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            return None
+        for row in rows:
+            fields = row.split()
+            if fields[1].endswith(wanted) and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def _own_socket_inodes() -> set[int]:
+    inodes: set[int] = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def held_here(port: int) -> bool:
+    """Whether this process listens on loopback ``port`` (True where /proc cannot
+    tell: no check rather than a false alarm)."""
+    listening = _listening_inodes(port)
+    if listening is None:
+        return True
+    return bool(listening & _own_socket_inodes())
 
 
 @dataclass
@@ -257,6 +304,22 @@ class SystemServer:
         self._extra_metrics = extra_metrics
         self._runner: _Runner | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    async def check_internal_port(self) -> None:
+        """Once Dynamo's runtime (and so its system server) has started: RuntimeError
+        when Dynamo's server did not get the internal port. Another process holds it
+        then, and every request passed there would reach that process (a worker
+        started again draws another port)."""
+        internal = self.address.internal_port
+        for _ in range(int(_INTERNAL_BIND_WAIT_S / 0.05)):
+            if held_here(internal):
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(
+            f"Dynamo's system server could not take its internal port 127.0.0.1:{internal} "
+            "(another process listens there, or nothing does); this worker's /health, "
+            "/live and /metrics would not be its own: start it again"
+        )
 
     async def start(self) -> None:
         middlewares = [auth_middleware(self._token)] if self._token is not None else []

@@ -11,6 +11,9 @@ import asyncio
 import json
 import logging
 import math
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -507,3 +510,33 @@ async def test_clear_cache_booleans_pass(body: dict[str, Any], expected: bool) -
     assert answer["status"] == "ok" and answer["clear_cache"] is expected
     assert client.rpcs == ["PauseGeneration"]
     assert client.requests[0].clear_cache is expected
+
+
+async def test_a_system_port_whose_internal_port_another_process_holds_is_refused() -> None:
+    """The internal port drawn for Dynamo's system server, taken by someone else
+    before Dynamo could bind it (another worker's system port, as happened to a
+    two-worker NeMo RL fleet): every request passed there would reach that process,
+    so the worker refuses to start, naming the port. One held here passes."""
+    with socket.socket() as mine:
+        mine.bind(("127.0.0.1", 0))
+        mine.listen()
+        ours = SystemServer(SystemPort("127.0.0.1", 0, mine.getsockname()[1]), {})
+        await ours.check_internal_port()
+    other = subprocess.Popen(
+        [sys.executable, "-c", LISTEN_AND_WAIT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout is not None
+        port = int(other.stdout.readline())
+        theirs = SystemServer(SystemPort("127.0.0.1", 0, port), {})
+        with pytest.raises(RuntimeError, match=rf"internal port 127\.0\.0\.1:{port} "):
+            await theirs.check_internal_port()
+    finally:
+        other.kill()
+        other.wait()
+
+
+LISTEN_AND_WAIT = (
+    "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+    "print(s.getsockname()[1], flush=True); time.sleep(60)"
+)
