@@ -20,7 +20,6 @@ stops reading still holds is bounded by the server's stream write watchdog
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -102,11 +101,16 @@ class BlockMirror:
 
 def encode_event(event: object) -> pb.KvEvent:
     if isinstance(event, BlockStored):
-        # The message mirrors the event field for field; only the parent is optional.
-        fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
-        if fields["parent_block_hash"] is None:
-            del fields["parent_block_hash"]
-        return pb.KvEvent(stored=pb.BlockStored(**fields))
+        stored = pb.BlockStored(
+            block_hashes=event.block_hashes,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_name=event.lora_name,
+            cache_salt=event.cache_salt,
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        return pb.KvEvent(stored=stored)
     if isinstance(event, BlockRemoved):
         return pb.KvEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes))
     if isinstance(event, AllBlocksCleared):
