@@ -197,15 +197,11 @@ class BridgeEngine(LLMEngine):
         self._closed = True
         await self.registration.stop()
         await self.link.stop_following()
-        rl_endpoint, self._rl_endpoint = self._rl_endpoint, None
-        if rl_endpoint is not None:
-            await rl_endpoint.stop()
-        system, self._system = self._system, None
-        if system is not None:
-            await system.stop()
-        relay, self._relay = self._relay, None
-        if relay is not None:
-            await relay.stop()
+        parts = (self._rl_endpoint, self._system, self._relay)
+        self._rl_endpoint = self._system = self._relay = None
+        for part in parts:
+            if part is not None:
+                await part.stop()
         self.runner.cancel_all()
         await self.link.close()
         log.info("bridge cleaned up")

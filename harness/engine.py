@@ -155,6 +155,24 @@ class ClientMessages(Generic[T]):
             yield message
 
 
+class StreamContext(Generic[T]):
+    """The servicer context of a stream handler run without gRPC: records the
+    messages written; while ``gate`` is clear, writes wait (a slow client, or one
+    that stopped reading)."""
+
+    def __init__(self) -> None:
+        self.written: list[T] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def send_initial_metadata(self, metadata: object) -> None:
+        pass
+
+    async def write(self, message: T) -> None:
+        await self.gate.wait()
+        self.written.append(message)
+
+
 # -- load --------------------------------------------------------------------
 
 

@@ -92,22 +92,10 @@ class WeightVersionRefusedError(RuntimeError):
             )
         )
         self.refusal = refusal
-
-    @property
-    def required(self) -> str:
-        return self.refusal.required
-
-    @property
-    def serving(self) -> str:
-        return self.refusal.serving
-
-    @property
-    def committed(self) -> str:
-        return self.refusal.committed
-
-    @property
-    def retryable(self) -> bool:
-        return self.refusal.retryable
+        self.required = refusal.required
+        self.serving = refusal.serving
+        self.committed = refusal.committed
+        self.retryable = refusal.retryable
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import aiohttp
 import grpc
@@ -92,6 +92,49 @@ class _FleetClient(FleetCycle):
 
     # The workers as discovery listed them (``from_discovery``), else empty.
     discovered: list[FleetWorker]
+    # The FleetWorker field holding the address this client calls a worker at.
+    address_field: ClassVar[str]
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        what: str,
+        committed: CommittedWeights | None,
+        store: CommittedStore | None,
+        deadlines: Deadlines | None,
+    ) -> None:
+        """``workers``: the addresses called (``what`` names them), never none."""
+        if not workers:
+            raise ValueError(f"no {what}")
+        super().__init__(committed, store, deadlines)
+        self.discovered = []
+
+    @classmethod
+    def from_discovery(
+        cls,
+        namespace: str,
+        component: str = "backend",
+        *,
+        model: str | None = None,
+        discovery: FleetDiscovery | None = None,
+        **options: Any,
+    ) -> Self:
+        """A client for the workers of ``namespace``/``component`` (serving ``model``,
+        when given) that are registered now, their addresses (``address_field``)
+        read from Dynamo's discovery (``rl_client.fleet_discovery``; ``discovery``:
+        the environment's by default). ``options``: the constructor's. A blocking
+        read: call it again for each step to follow the fleet. ValueError when no
+        worker is found, or one publishes no such address."""
+        workers = _discovered(namespace, component, model, discovery, cls.address_field)
+        client = cls._for_workers(workers, **options)
+        client.discovered = workers
+        return client
+
+    @classmethod
+    @abstractmethod
+    def _for_workers(cls, workers: list[FleetWorker], **options: Any) -> Self:
+        """A client for ``workers`` (each with an ``address_field``); ``options``:
+        the constructor's."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -119,6 +162,8 @@ class RefitClient(_FleetClient):
     client's last committed refit; with none of them ``refit`` refuses before
     any call. ``deadlines``: per worker and step (``Deadlines``)."""
 
+    address_field = "admin_url"
+
     def __init__(
         self,
         worker_urls: Sequence[str],
@@ -130,9 +175,7 @@ class RefitClient(_FleetClient):
         store: CommittedStore | None = None,
         deadlines: Deadlines | None = None,
     ) -> None:
-        if not worker_urls:
-            raise ValueError("no worker URLs")
-        super().__init__(committed, store, deadlines)
+        super().__init__(worker_urls, "worker URLs", committed, store, deadlines)
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         if isinstance(admin_token, str):
             admin_token = AdminToken(admin_token, "the admin_token argument")
@@ -142,28 +185,10 @@ class RefitClient(_FleetClient):
         self._session = session
         self._own_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.discovered = []
 
     @classmethod
-    def from_discovery(
-        cls,
-        namespace: str,
-        component: str = "backend",
-        *,
-        model: str | None = None,
-        discovery: FleetDiscovery | None = None,
-        **options: Any,
-    ) -> RefitClient:
-        """A client for the workers of ``namespace``/``component`` (serving ``model``,
-        when given) that are registered now, their admin URLs read from Dynamo's
-        discovery (``rl_client.fleet_discovery``; ``discovery``: the environment's by
-        default). ``options``: the constructor's. A blocking read: call it again for
-        each step to follow the fleet. ValueError when no worker is found, or one
-        serves no admin routes."""
-        workers = _discovered(namespace, component, model, discovery, "admin_url")
-        client = cls([str(w.admin_url) for w in workers], **options)
-        client.discovered = workers
-        return client
+    def _for_workers(cls, workers: list[FleetWorker], **options: Any) -> Self:
+        return cls([str(w.admin_url) for w in workers], **options)
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -281,6 +306,9 @@ class EngineRefitClient(_FleetClient):
     unchanged), else the checkpoint each engine server started on when none has
     had a version set since. ``deadlines``: per worker and step."""
 
+    # The engine server's address as the worker's bridge dials it.
+    address_field = "engine_address"
+
     def __init__(
         self,
         engine_addresses: Sequence[str],
@@ -291,43 +319,26 @@ class EngineRefitClient(_FleetClient):
         store: CommittedStore | None = None,
         deadlines: Deadlines | None = None,
     ) -> None:
-        if not engine_addresses:
-            raise ValueError("no engine server addresses")
-        super().__init__(committed, store, deadlines)
+        super().__init__(engine_addresses, "engine server addresses", committed, store, deadlines)
         self._engines = {
             a: RefitRpc.connect(a, tls=tls, max_message_bytes=max_message_bytes)
             for a in engine_addresses
         }
-        self.discovered = []
         self._chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
 
     @classmethod
-    def from_discovery(
-        cls,
-        namespace: str,
-        component: str = "backend",
-        *,
-        model: str | None = None,
-        discovery: FleetDiscovery | None = None,
-        tls: TlsOptions | None = None,
-        **options: Any,
-    ) -> EngineRefitClient:
-        """A client for the engine servers of the workers of ``namespace``/``component``
-        (serving ``model``, when given) registered now, their addresses as each
-        bridge dials them, read from Dynamo's discovery (``rl_client.fleet_discovery``).
-        ``tls`` and ``options``: the constructor's. A blocking read; open it inside
-        the event loop that uses it. ValueError when no worker is found, or a
-        worker's bridge reaches its engine over TLS and no ``tls`` is given."""
-        workers = _discovered(namespace, component, model, discovery, "engine_address")
+    def _for_workers(
+        cls, workers: list[FleetWorker], *, tls: TlsOptions | None = None, **options: Any
+    ) -> Self:
+        """ValueError when a worker's bridge reaches its engine over TLS and no
+        ``tls`` is given."""
         over_tls = [w for w in workers if w.engine_tls]
         if over_tls and tls is None:
             raise ValueError(
                 f"the engine servers {[w.engine_address for w in over_tls]} are reached over "
                 "TLS: give tls= (as the bridges' --engine-tls-* options)"
             )
-        client = cls([str(w.engine_address) for w in workers], tls=tls, **options)
-        client.discovered = workers
-        return client
+        return cls([str(w.engine_address) for w in workers], tls=tls, **options)
 
     async def close(self) -> None:
         await asyncio.gather(*(engine.close() for engine in self._engines.values()))

@@ -11,25 +11,11 @@ import grpc
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import InvalidRequest
 from engine_server.generate_stream import GenerateStream
-from harness.engine import ClientMessages
+from harness.engine import ClientMessages, StreamContext
 from harness.waits import wait_until_async
 
 
-class Context:
-    """Records writes; while ``gate`` is clear, writes wait (a slow client)."""
-
-    def __init__(self) -> None:
-        self.written: list[pb.GeneratesResponse] = []
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    async def send_initial_metadata(self, metadata: object) -> None:
-        pass
-
-    async def write(self, message: pb.GeneratesResponse) -> None:
-        await self.gate.wait()
-        self.written.append(message)
-
+class Context(StreamContext[pb.GeneratesResponse]):
     def deltas(self, tag: int) -> list[pb.GenerateDelta]:
         return [d for m in self.written for d in m.deltas if d.tag == tag]
 

@@ -11,26 +11,11 @@ import pytest
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.errors import Draining, InvalidRequest, StreamStalled
 from engine_server.rollout_stream import RolloutStream
-from harness.engine import ClientMessages
+from harness.engine import ClientMessages, StreamContext
 from harness.waits import wait_until_async
 
 
-class Context:
-    """Records writes; a write can be made to hang (a client that stopped reading)."""
-
-    def __init__(self) -> None:
-        self.written: list[pb.RolloutsResponse] = []
-        self.hang = False
-        self.headers_sent = False
-
-    async def send_initial_metadata(self, metadata: object) -> None:
-        self.headers_sent = True
-
-    async def write(self, message: pb.RolloutsResponse) -> None:
-        if self.hang:
-            await asyncio.Event().wait()
-        self.written.append(message)
-
+class Context(StreamContext[pb.RolloutsResponse]):
     def results(self) -> dict[int, pb.RolloutResult]:
         return {r.tag: r for m in self.written for r in m.results}
 
@@ -115,7 +100,7 @@ async def test_cancel_answers_cancelled_and_a_duplicate_tag_is_refused() -> None
 
 async def test_a_stalled_write_ends_the_stream_and_cancels_what_runs() -> None:
     ctx, requests = Context(), Requests()
-    ctx.hang = True
+    ctx.gate.clear()  # a client that stopped reading
     rollouts = stream(ctx, timeout=0.05)
     requests.start(1, size=1)
     requests.start(2, size=999)

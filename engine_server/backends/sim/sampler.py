@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine_server.backends.base import SamplingSpec
 from engine_server.backends.sim.hashing import MASK64, mix64, str_key, unit_float
@@ -55,6 +56,17 @@ class RequestSampling:
     draw_key: int
     logprobs: int | None
     has_penalties: bool
+
+
+class _Pool(NamedTuple):
+    """What a token is picked from, bans and penalties applied: the candidates
+    ``ids`` with their ``logits``, and ``n_rest`` more tokens at REST_LOGIT (the
+    lowest ids not in ``excluded``)."""
+
+    ids: list[int]
+    logits: list[float]
+    n_rest: int
+    excluded: list[int]
 
 
 def _nth_rest(j: int, excluded_sorted: Sequence[int]) -> int:
@@ -163,9 +175,10 @@ class Sampler:
                 logits = [logits[i] for i in kept]
         if rs.has_penalties:
             logits = self._penalize(ids, logits, rs, output_counts or {}, context_tokens or ())
+        pool = _Pool(ids, logits, n_rest, excluded)
         if rs.greedy:
-            return self._greedy(ids, logits, n_rest, excluded, rs)
-        return self._sample(ids, logits, n_rest, excluded, rs, position)
+            return self._greedy(pool, rs)
+        return self._sample(pool, rs, position)
 
     @staticmethod
     def _penalize(
@@ -186,14 +199,8 @@ class Sampler:
             out.append(logit)
         return out
 
-    def _greedy(
-        self,
-        ids: list[int],
-        logits: list[float],
-        n_rest: int,
-        excluded: list[int],
-        rs: RequestSampling,
-    ) -> TokenChoice:
+    def _greedy(self, pool: _Pool, rs: RequestSampling) -> TokenChoice:
+        ids, logits, n_rest, excluded = pool
         best = max(range(len(ids)), key=logits.__getitem__) if ids else -1
         if best < 0 or (n_rest > 0 and REST_LOGIT > logits[best]):
             token, logit = _nth_rest(0, sorted(excluded)), REST_LOGIT
@@ -206,20 +213,14 @@ class Sampler:
         log_z = top + math.log(z)
         alternatives = None
         if rs.logprobs > 0:
-            ranked = self._ranked(ids, logits, n_rest, REST_LOGIT, excluded, rs.logprobs)
+            ranked = self._ranked(pool, REST_LOGIT, rs.logprobs)
             alternatives = [(t, v - log_z) for t, v in ranked]
         return token, logit - log_z, alternatives
 
     @staticmethod
-    def _ranked(
-        ids: list[int],
-        logits: list[float],
-        n_rest: int,
-        rest: float,
-        excluded: list[int],
-        k: int,
-    ) -> list[tuple[int, float]]:
-        """The k most likely (token, logit), most likely first."""
+    def _ranked(pool: _Pool, rest: float, k: int) -> list[tuple[int, float]]:
+        """The k most likely (token, logit), most likely first (the rest at ``rest``)."""
+        ids, logits, n_rest, excluded = pool
         order = sorted(range(len(ids)), key=lambda i: -logits[i])
         above = [(ids[i], logits[i]) for i in order if logits[i] >= rest]
         below = [(ids[i], logits[i]) for i in order if logits[i] < rest]
@@ -227,15 +228,8 @@ class Sampler:
         ex = sorted(excluded)
         return (above + [(_nth_rest(j, ex), rest) for j in range(room)] + below)[:k]
 
-    def _sample(
-        self,
-        ids: list[int],
-        logits: list[float],
-        n_rest: int,
-        excluded: list[int],
-        rs: RequestSampling,
-        position: int,
-    ) -> TokenChoice:
+    def _sample(self, pool: _Pool, rs: RequestSampling, position: int) -> TokenChoice:
+        ids, logits, n_rest, excluded = pool
         inv_t = 1.0 / rs.temperature
         scaled = [v * inv_t for v in logits]
         rest = REST_LOGIT * inv_t
