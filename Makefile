@@ -135,22 +135,18 @@ lint: $(STAMP)
 
 # Set-up first, side by side where nothing is shared (the two environments install
 # at once; lint, the stubs' check and buf run while the low end installs). Then
-# the pytest runs, all always run: the e2e suite on two workers, a file per worker
-# (pytest-xdist); the other suites the same way, but for the files marked `serial`
-# (wall-clock bounds measured on an idle machine), which run alone after them; then
-# the version-specific suites at the low end of the range, split the same way
-# (docs/testing.md).
-TWO_WORKERS := -n 2 --dist loadfile
+# three pytest runs, all always run: the e2e suite (processes that mostly wait on
+# each other) on two workers, a file per worker (pytest-xdist: measured faster
+# there, see docs/testing.md); the rest in order, as their timing bounds were
+# measured; then the version-specific suites at the low end of the range.
 TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
 
 test:
 	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
 	@rc=0; \
-	$(PY) -m pytest -q $(TWO_WORKERS) tests/e2e || rc=1; \
-	$(PY) -m pytest -q $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e || rc=1; \
-	$(PY) -m pytest -q -m serial --ignore=tests/e2e || rc=1; \
-	$(LOW_PY) -m pytest -q $(TWO_WORKERS) -m "not serial" $(LOW_SUITES) || rc=1; \
-	$(LOW_PY) -m pytest -q -m serial $(LOW_SUITES) || rc=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e || rc=1; \
+	$(PY) -m pytest -q --ignore=tests/e2e || rc=1; \
+	$(LOW_PY) -m pytest -q $(LOW_SUITES) || rc=1; \
 	exit $$rc
 
 # The low end alone (ai-dynamo 1.3.0.post1, vLLM 0.23.0).

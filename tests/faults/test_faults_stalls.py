@@ -29,7 +29,7 @@ from harness.stack import Stack, registered_workers
 from harness.waits import wait_until
 from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
-pytestmark = [pytest.mark.serial, pytest.mark.dynamo, pytest.mark.slow]
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 
 # File discovery's TTL is 10 s; past it the frontend deletes a silent worker's records.
 BRIDGE_STOPPED_S = 13.0

@@ -20,8 +20,6 @@ from launch.supervisor import (
     RestartPolicy,
 )
 
-pytestmark = pytest.mark.serial
-
 FAST = RestartPolicy(initial_s=0.05, max_s=0.05, jitter=0)
 
 
