@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+# Where listening ports are drawn from: above Linux's default ephemeral range
+# (32768-60999), from which every outgoing connection's source port and every
+# OS-assigned listener (Dynamo's request plane, say) is taken. A port drawn there
+# could be taken by any of them before its program binds it: a frontend once
+# failed to start so, its port the source port of a connection somewhere else.
+LISTEN_PORTS = range(61000, 65536)
+
+
+def _ephemeral_ports() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except (OSError, ValueError):
+        return range(32768, 61000)
+    return range(int(low), int(high) + 1)
 
 
 def free_port() -> int:
-    """A port free right now (another process may take it before you bind it)."""
+    """A loopback port free right now, outside the ephemeral range where the
+    machine allows (else an OS-assigned one): only another draw can take it
+    before you bind it."""
+    ephemeral = _ephemeral_ports()
+    ports = [p for p in LISTEN_PORTS if p not in ephemeral]
+    for port in random.sample(ports, min(len(ports), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -1,78 +1,89 @@
 """How an update's tensors travel over the gloo group: cut into vLLM's chunks, and
 within a chunk into broadcasts, sent and received a window ahead.
 
-Chunks are vLLM's (``packed_tensor.pack_tensors``): both sides cut them by
-running ``pack_tensors`` over meta tensors (the worker's built from the update
-info), so they agree by construction. Within a chunk, what travels is cut finer
-(``runs``): a tensor of ``COALESCE_BYTES`` or more is broadcast alone, straight
-from the trainer's memory (no packing copy) into a buffer of its own; smaller
-neighbours share one packed broadcast. The worker hands tensors to the model's
-``load_weights`` every ``LOAD_BYTES`` (and at each chunk's end) while the next
-runs arrive, so loading overlaps the transfer and a 1 GB chunk never needs 1 GB
-of buffers; ``packed_num_buffers`` x ``LOAD_BYTES`` are in flight (gloo
-broadcasts are asynchronous). ``packed: false`` makes each tensor its own chunk.
-As for NCCL, each tensor is a view of its received bytes, so a tensor packed
-after others must start at a byte offset its element size divides (a model of
-one dtype always does).
+Chunks are vLLM's (``packed_tensor.pack_tensors``' rule: tensors in order until
+their bytes pass the buffer size, the one that passes included). Both sides cut
+them from names, shapes and dtypes alone (``_cut``; the worker's from the update
+info), so they agree by construction; a test holds the rule to vLLM's function.
+Within a chunk, what travels is cut finer (``runs``): a tensor of
+``COALESCE_BYTES`` or more is broadcast alone, straight from the trainer's memory
+(no packing copy) into a buffer of its own; smaller neighbours share one packed
+broadcast. The worker hands tensors to the model's ``load_weights`` every
+``LOAD_BYTES`` (and at each chunk's end) while the next runs arrive, so loading
+overlaps the transfer and a 1 GB chunk never needs 1 GB of buffers;
+``packed_num_buffers`` x ``LOAD_BYTES`` are in flight (gloo broadcasts are
+asynchronous). ``packed: false`` makes each tensor its own chunk. As for NCCL,
+each tensor is a view of its received bytes, so a tensor packed after others must
+start at a byte offset its element size divides (a model of one dtype always does).
 """
 
 from __future__ import annotations
 
-import sys
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import torch
-from vllm.distributed.weight_transfer.packed_tensor import PackedChunk, pack_tensors
 
 from engine_server.gloo.rendezvous import Group
 
 SRC = 0  # the trainer's sender, as for NCCL
 
-
-def _wire_tensor(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-    # Gloo sends host memory; a trainer's GPU tensors are copied out first.
-    return item[1].detach().cpu()
+T = TypeVar("T")
 
 
-def _as_is(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-    return item[1]
+@dataclass
+class Chunk(Generic[T]):
+    """One chunk as vLLM's ``PackedChunk`` describes it (names, shapes, dtypes,
+    byte sizes), with what each side holds per tensor (``items``)."""
+
+    names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    tensor_sizes: list[int] = field(default_factory=list)
+    items: list[T] = field(default_factory=list)
 
 
 def _cut(
-    pairs: Iterator[tuple[str, torch.Tensor]],
+    entries: Iterable[tuple[str, Sequence[int], torch.dtype, T]],
     buffer_size_bytes: int | None,
-    prepare: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
-) -> Iterator[PackedChunk]:
-    """``pack_tensors`` chunks; ``None``: one tensor per chunk (unpacked)."""
+) -> Iterator[Chunk[T]]:
+    """The chunks of (name, shape, dtype, item) ``entries``, lazily, by
+    ``pack_tensors``' rule; ``None``: one tensor per chunk (unpacked).
 
-    def flat(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-        # 1-d for vLLM 0.23's pack_tensors, which views the tensor as bytes first
-        # (a 0-d float16 cannot be); the chunk keeps the original shape.
-        return prepare(item).reshape(-1)
-
-    if buffer_size_bytes is None:
-        for pair in pairs:
-            yield pack_tensors(iter([pair]), flat, sys.maxsize)
-        return
-    while (chunk := pack_tensors(pairs, flat, buffer_size_bytes)) is not None:
+    Sizes alone, not ``pack_tensors`` over meta tensors: its ``torch.cat`` of meta
+    tensors runs a Python decomposition under ``torch._dynamo.disable``, which is
+    not thread safe (pytorch#118260); three threads of one process cutting at once
+    (a trainer and two workers) crashed torch 2.11 once."""
+    limit = -1 if buffer_size_bytes is None else buffer_size_bytes
+    chunk: Chunk[T] = Chunk()
+    total = 0
+    for name, shape, dtype, item in entries:
+        size = math.prod(shape) * dtype.itemsize
+        chunk.names.append(name)
+        chunk.shapes.append(list(shape))
+        chunk.dtypes.append(dtype)
+        chunk.tensor_sizes.append(size)
+        chunk.items.append(item)
+        total += size
+        if total > limit:
+            yield chunk
+            chunk, total = Chunk(), 0
+    if chunk.names:
         yield chunk
 
 
 def chunk_layout(
     metadata: Iterable[tuple[str, str, list[int]]], buffer_size_bytes: int | None
-) -> Iterator[PackedChunk]:
-    """The chunks ``send_packed`` cuts, from (name, dtype name, shape) alone:
-    ``pack_tensors`` run over meta tensors (no memory), so the worker splits the
-    stream exactly where the trainer does. Each chunk's ``packed_tensor`` is a meta
-    tensor of the chunk's size."""
-    placeholders = (
-        (name, torch.empty(shape, dtype=getattr(torch, dtype_name), device="meta"))
-        for name, dtype_name, shape in metadata
+) -> Iterator[Chunk[None]]:
+    """The chunks ``send_packed`` cuts, from (name, dtype name, shape) alone, so
+    the worker splits the stream exactly where the trainer does."""
+    return _cut(
+        ((name, shape, getattr(torch, dtype_name), None) for name, dtype_name, shape in metadata),
+        buffer_size_bytes,
     )
-    return _cut(placeholders, buffer_size_bytes, _as_is)
 
 
 # Tensors smaller than this share a broadcast with their neighbours in the chunk
@@ -110,16 +121,11 @@ def _send_buffers(
     pairs: Iterator[tuple[str, torch.Tensor]], buffer_size_bytes: int | None
 ) -> Iterator[torch.Tensor]:
     """What the trainer broadcasts, in order: per chunk, per run, a tensor's own
-    bytes (no copy) or a run's small tensors packed together."""
-    held: list[torch.Tensor] = []
-
-    def hold(item: tuple[str, torch.Tensor]) -> torch.Tensor:
-        tensor = _wire_tensor(item)
-        held.append(tensor)
-        return torch.empty_like(tensor, device="meta")  # pack_tensors then copies nothing
-
-    for chunk in _cut(pairs, buffer_size_bytes, hold):
-        tensors, held = held, []
+    bytes (no copy) or a run's small tensors packed together. Gloo sends host
+    memory: a trainer's GPU tensors are copied out, one chunk at a time."""
+    entries = ((name, t.shape, t.dtype, t) for name, t in pairs)
+    for chunk in _cut(entries, buffer_size_bytes):
+        tensors = [t.detach().cpu() for t in chunk.items]
         for run in runs(chunk.tensor_sizes):
             if len(run) == 1:
                 yield _flat(tensors[run.start])
@@ -162,7 +168,7 @@ def send_packed(
 class _Arrival:
     """One run the worker is receiving: its buffer, its broadcast, its tensors."""
 
-    chunk: PackedChunk
+    chunk: Chunk[None]
     run: range
     buffer: torch.Tensor
     work: Any  # None: nothing to receive (tensors of no bytes)
@@ -182,7 +188,7 @@ class _Arrival:
 
 def receive_packed(
     group: Group,
-    layout: Iterable[PackedChunk],
+    layout: Iterable[Chunk[None]],
     load: Callable[[list[tuple[str, torch.Tensor]]], Any],
     num_buffers: int,
 ) -> int:

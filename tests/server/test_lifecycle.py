@@ -103,10 +103,14 @@ def test_drain_finishes_short_requests_aborts_long_ones_and_refuses_new() -> Non
     server.stop()
 
 
-def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
+EVENT_LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+
+
+@EVENT_LOOPS
+def test_sigterm_drains_and_exits_zero(tmp_path: Path, loop: str) -> None:
     with ProcessGroup(tmp_path) as group:
         proc, address = group.engine_server(
-            "server", "--decode-step-ms", "5", "--grace-period-s", "1"
+            "server", "--decode-step-ms", "5", "--grace-period-s", "1", "--event-loop", loop
         )
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
@@ -122,11 +126,12 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
         assert "[shutdown] stopped" in proc.log_tail()
 
 
-def test_sigterm_repeated_until_it_exits_still_exits_zero(tmp_path: Path) -> None:
+@EVENT_LOOPS
+def test_sigterm_repeated_until_it_exits_still_exits_zero(tmp_path: Path, loop: str) -> None:
     """A supervisor that repeats SIGTERM (as a test's stop() does) up to the very end:
     the exit is still clean, never death by the signal in the interpreter's teardown."""
     with ProcessGroup(tmp_path) as group:
-        proc, _ = group.engine_server("server", "--grace-period-s", "1")
+        proc, _ = group.engine_server("server", "--grace-period-s", "1", "--event-loop", loop)
         deadline = time.monotonic() + 20
         while proc.alive():
             assert time.monotonic() < deadline, proc.log_tail()

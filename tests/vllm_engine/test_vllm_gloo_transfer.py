@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -53,6 +54,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngin
 from vllm.distributed.weight_transfer.packed_tensor import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
+    pack_tensors,
 )
 
 from engine_contract.v1 import engine_pb2 as pb
@@ -290,6 +292,52 @@ def test_runs_coalesce_small_neighbours_and_send_large_tensors_alone() -> None:
     big = COALESCE_BYTES
     sizes = [10, big, 5, 5, big + 1, 0, big // 2, big // 2 + 1]
     assert [list(r) for r in runs(sizes)] == [[0], [1], [2, 3], [4], [5, 6], [7]]
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
+@pytest.mark.parametrize("buffer_size", [None, 0, 1, 100, 1500, 1 << 20])
+def test_chunks_are_cut_where_vllms_pack_tensors_cuts(buffer_size: int | None) -> None:
+    """Both sides' chunks (from shapes and dtypes alone) are ``pack_tensors``' own,
+    in this vLLM: the same tensors in each, the same byte sizes."""
+    tensors = mixed_tensors()
+    metadata = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in tensors.items()]
+    ours = [
+        (c.names, c.shapes, c.dtypes, c.tensor_sizes)
+        for c in packing.chunk_layout(metadata, buffer_size)
+    ]
+
+    def flat(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        return item[1].reshape(-1)  # vLLM 0.23 views as bytes first: 0-d cannot
+
+    if buffer_size is None:  # unpacked: a chunk per tensor
+        chunks = [pack_tensors(iter([pair]), flat, sys.maxsize) for pair in tensors.items()]
+    else:
+        pairs, chunks = iter(tensors.items()), []
+        while chunk := pack_tensors(pairs, flat, buffer_size):
+            chunks.append(chunk)
+    theirs = [(c.names, c.shapes, c.dtypes, c.tensor_sizes) for c in chunks if c is not None]
+    assert ours == theirs
+
+
+def test_chunks_are_cut_without_torchs_python_kernels() -> None:
+    """Cutting runs no torch Python code (meta-tensor kernels run under
+    ``torch._dynamo.disable``, not thread safe): a trainer and its workers in one
+    process cut at once."""
+    seen: set[str] = set()
+
+    def watch(frame: Any, event: str, _: Any) -> None:
+        if event == "call" and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+            seen.add(frame.f_code.co_filename)
+
+    metadata = [(f"w{i}", "bfloat16", [4, 8]) for i in range(40)]
+    sys.setprofile(watch)
+    try:
+        chunks = list(packing.chunk_layout(metadata, 100))
+        buffers = list(packing._send_buffers(iter([("a", torch.ones(3)), ("b", torch.ones(2))]), 8))
+    finally:
+        sys.setprofile(None)
+    assert len(chunks) == 40 // 2 and len(buffers) == 2
+    assert not seen, sorted(seen)
 
 
 @needs_trainer_engines
