@@ -139,14 +139,17 @@ lint: $(STAMP)
 # each other) on two workers, a file per worker (pytest-xdist: measured faster
 # there, see docs/testing.md); the rest in order, as their timing bounds were
 # measured; then the version-specific suites at the low end of the range.
+# Each run ends with its slowest phases (a test's set-up, call and teardown apart:
+# a shared engine's start-up shows as its first test's set-up), for where the time goes.
+DURATIONS := --durations=15 --durations-min=5
 TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
 
 test:
 	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
 	@rc=0; \
-	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e || rc=1; \
-	$(PY) -m pytest -q --ignore=tests/e2e || rc=1; \
-	$(LOW_PY) -m pytest -q $(LOW_SUITES) || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) -n 2 --dist loadfile tests/e2e || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) --ignore=tests/e2e || rc=1; \
+	$(LOW_PY) -m pytest -q $(DURATIONS) $(LOW_SUITES) || rc=1; \
 	exit $$rc
 
 # The low end alone (ai-dynamo 1.3.0.post1, vLLM 0.23.0).

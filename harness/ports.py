@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+import contextlib
 import socket
 from pathlib import Path
 
@@ -23,18 +23,15 @@ def _ephemeral_ports() -> range:
 
 
 def free_port() -> int:
-    """A loopback port free right now, outside the ephemeral range where the
-    machine allows (else an OS-assigned one): only another draw can take it
-    before you bind it."""
-    ephemeral = _ephemeral_ports()
-    ports = [p for p in LISTEN_PORTS if p not in ephemeral]
-    for port in random.sample(ports, min(len(ports), 200)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    """A loopback port free right now, above the ephemeral range where the machine
+    leaves room (else an OS-assigned one): only another draw can take it before
+    you bind it."""
+    from bridge.admin.system_server import free_dynamo_port
+
+    ports = range(max(LISTEN_PORTS.start, _ephemeral_ports().stop), LISTEN_PORTS.stop)
+    if ports:
+        with contextlib.suppress(OSError):
+            return free_dynamo_port(ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

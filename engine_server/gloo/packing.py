@@ -81,9 +81,25 @@ def chunk_layout(
     """The chunks ``send_packed`` cuts, from (name, dtype name, shape) alone, so
     the worker splits the stream exactly where the trainer does."""
     return _cut(
-        ((name, shape, getattr(torch, dtype_name), None) for name, dtype_name, shape in metadata),
+        (
+            (name, _shape(name, shape), _dtype(name, dtype_name), None)
+            for name, dtype_name, shape in metadata
+        ),
         buffer_size_bytes,
     )
+
+
+def _dtype(name: str, dtype_name: str) -> torch.dtype:
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name}: dtype {dtype_name!r} is not a torch dtype")
+    return dtype
+
+
+def _shape(name: str, shape: Sequence[int]) -> Sequence[int]:
+    if any(not isinstance(n, int) or n < 0 for n in shape):
+        raise ValueError(f"{name}: shape {list(shape)} is not a list of sizes")
+    return shape
 
 
 # Tensors smaller than this share a broadcast with their neighbours in the chunk

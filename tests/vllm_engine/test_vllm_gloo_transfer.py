@@ -319,6 +319,17 @@ def test_chunks_are_cut_where_vllms_pack_tensors_cuts(buffer_size: int | None) -
     assert ours == theirs
 
 
+@pytest.mark.parametrize(
+    ("dtype_name", "shape", "says"),
+    [("nn", [2], "'nn' is not a torch dtype"), ("float32", [4, -1], r"\[4, -1\] is not")],
+)
+def test_an_update_info_naming_no_dtype_or_size_is_refused_by_name(
+    dtype_name: str, shape: list[int], says: str
+) -> None:
+    with pytest.raises(ValueError, match=f"w: .*{says}"):
+        list(packing.chunk_layout([("ok", "float16", [2]), ("w", dtype_name, shape)], None))
+
+
 def test_chunks_are_cut_without_torchs_python_kernels() -> None:
     """Cutting runs no torch Python code (meta-tensor kernels run under
     ``torch._dynamo.disable``, not thread safe): a trainer and its workers in one
