@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import logging
 import signal
-import socket
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +29,7 @@ from engine_server.config import (
 from engine_server.generation_config import GenerationConfig, load_generation_config
 from engine_server.server import EngineServerHandle, start_server
 from launch.config_flags import add_fields, flag, from_args, log_level_field
+from launch.stop_signals import stop_signals
 
 log = logging.getLogger("engine_server")
 
@@ -209,13 +207,11 @@ def backend_and_config(args: argparse.Namespace) -> tuple[EngineBackend, ServerC
     return backend, config
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
 async def run(args: argparse.Namespace) -> int:
     backend, config = backend_and_config(args)
     handle = await start_server(backend, config)
-    with _stop_signals_drain(asyncio.get_running_loop(), handle):
+    # Drained on SIGTERM or SIGINT; ignored once stopped (launch.stop_signals).
+    with stop_signals(asyncio.get_running_loop(), lambda sig: _on_signal(handle, sig)):
         return await _serve(args, handle)
 
 
@@ -237,61 +233,6 @@ async def _serve(args: argparse.Namespace, handle: EngineServerHandle) -> int:
         print(f"metrics on {handle.metrics.address}", flush=True)
     await handle.wait_stopped()
     return 0
-
-
-@contextmanager
-def _stop_signals_drain(
-    loop: asyncio.AbstractEventLoop, handle: EngineServerHandle
-) -> Iterator[None]:
-    """SIGTERM and SIGINT drain the server; once it has stopped they are ignored
-    (what is left is the interpreter's exit).
-
-    Python-level handlers, not the loop's: removing a loop's handler (as closing
-    the loop does) puts the default disposition back before anything else can be
-    set, and a SIGTERM repeated by a supervisor in that window would turn a clean
-    exit (0) into death by signal. Here the handler is swapped for SIG_IGN in one
-    step."""
-
-    def on_signal(signum: int, _: object) -> None:
-        loop.call_soon_threadsafe(_on_signal, handle, signal.Signals(signum))
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, on_signal)
-    with _wake_on_signals(loop):
-        try:
-            yield
-        finally:
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-
-
-@contextmanager
-def _wake_on_signals(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
-    """A signal may land on any thread (gRPC's, the engine's), and the main thread
-    runs a Python handler only once it runs Python again: the loop must wake.
-    uvloop listens on a wakeup fd of its own whatever the handlers; asyncio's loop
-    only for signals given to it, so it gets one here."""
-    if type(loop).__module__.startswith("uvloop"):
-        yield
-        return
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    writer.setblocking(False)
-
-    def drain() -> None:  # the handlers ran as the loop woke
-        with contextlib.suppress(BlockingIOError):
-            while reader.recv(4096):
-                pass
-
-    loop.add_reader(reader.fileno(), drain)
-    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    try:
-        yield
-    finally:
-        signal.set_wakeup_fd(previous)
-        loop.remove_reader(reader.fileno())
-        reader.close()
-        writer.close()
 
 
 def _on_signal(handle: EngineServerHandle, sig: signal.Signals) -> None:

@@ -37,6 +37,7 @@ from engine_worker.private_dir import PrivateDir
 from engine_worker.split import Split, UsageError, split_args
 from launch.bridge_command import BridgeLaunch, bridge_argv
 from launch.parent_death import death_signal_setter, with_parent_pid
+from launch.stop_signals import stop_signals
 from launch.supervisor import (
     USAGE_ERROR,
     ChildProcess,
@@ -53,7 +54,6 @@ log = logging.getLogger("engine_worker")
 ENGINE_ENV_DROPPED_PREFIXES = ("DYN_",)
 # Files the bridge (and Dynamo's frontend) read from the model folder.
 MODEL_FILE_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A side's parser imports vLLM or Dynamo: seconds, rarely minutes.
 LISTING_TIMEOUT_S = 300.0
 # On a stop, the engine server's least time to drain, even after a bridge that
@@ -313,30 +313,6 @@ async def supervise(
     return code
 
 
-def _stop_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-    """An event SIGTERM and SIGINT set, from now on."""
-    stop = asyncio.Event()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            log.info("received %s: stopping", sig.name)
-        stop.set()
-
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
-    return stop
-
-
-def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
-    """Stopped: what is left is the interpreter's exit. Closing the loop would put
-    back the default handlers, and a SIGTERM repeated in that window (a whole
-    process group signalled again) would turn the clean exit (0) into death by
-    signal."""
-    for sig in STOP_SIGNALS:
-        loop.remove_signal_handler(sig)
-        signal.signal(sig, signal.SIG_IGN)
-
-
 async def _unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None once ``stop`` is set first (``work`` cancelled)."""
     task = asyncio.ensure_future(work)
@@ -359,9 +335,15 @@ async def run(
 ) -> int:
     """The worker, start-up included, under one stop event: a SIGTERM or SIGINT at
     any point ends it with 0, stopping what it has started."""
-    loop = asyncio.get_running_loop()
-    stop = _stop_on_signals(loop)
-    try:
+    stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info("received %s: stopping", sig.name)
+        stop.set()
+
+    # Ignored once stopped (launch.stop_signals).
+    with stop_signals(asyncio.get_running_loop(), on_signal):
         try:
             planned = await _unless_stopped(stop, plan(parser, pre, argv, environ))
         except UsageError as e:
@@ -381,8 +363,6 @@ async def run(
             return await supervise(p, args.stop_timeout_s, stop)
         finally:
             p.private.remove()
-    finally:
-        _ignore_stop_signals(loop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

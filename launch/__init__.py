@@ -8,6 +8,8 @@
 - ``supervisor``: child processes kept running (restarts, draining, output),
   for ``engine_server.host`` and ``engine_worker``;
 - ``parent_death``: children that end with their parent, both sides of it.
+- ``stop_signals``: SIGTERM and SIGINT that stop a program cleanly, and never
+  kill it once it has stopped (``engine_server`` and ``engine_worker``).
 
 It imports neither side (no dynamo, vllm, torch, ``bridge`` or
 ``engine_server``), so that each side, and a launcher importing neither, can

@@ -254,8 +254,9 @@ def test_a_sigterm_of_the_process_group_drains_the_bridge_first_then_exits_0(
     assert bridge_gone < engine_told
 
 
-def test_a_sigterm_while_the_flags_are_listed_exits_0(tmp_path: Path, group: ProcessGroup) -> None:
-    # An engine Python that takes its time to answer (as vLLM's imports can).
+def listing_worker(tmp_path: Path, group: ProcessGroup) -> tuple[Proc, Path]:
+    """A launcher listing its engine's flags, with an engine Python that takes its
+    time to answer (as vLLM's imports can); the file the listing's pid is in."""
     listing = tmp_path / "listing.pid"
     slow = tmp_path / "slow-python"
     slow.write_text(
@@ -267,9 +268,26 @@ def test_a_sigterm_while_the_flags_are_listed_exits_0(tmp_path: Path, group: Pro
     argv += ["--engine-python", os.fspath(slow), "--model", os.fspath(tmp_path)]
     worker = group.spawn("worker", argv)
     wait_until(lambda: listing.exists() and listing.read_text(), 30, "the listing", [worker])
+    return worker, listing
+
+
+def test_a_sigterm_while_the_flags_are_listed_exits_0(tmp_path: Path, group: ProcessGroup) -> None:
+    worker, listing = listing_worker(tmp_path, group)
     os.killpg(worker.pid, signal.SIGTERM)
     assert worker.wait_exit(15) == 0, worker.log_tail()
     wait_until(lambda: _state(int(listing.read_text())) in ("gone", "Z"), 5, "the listing ended")
+
+
+def test_sigterm_repeated_until_it_exits_still_exits_0(tmp_path: Path, group: ProcessGroup) -> None:
+    """A supervisor repeating SIGTERM up to the very end: the exit is still clean,
+    never death by the signal once the launcher has stopped."""
+    worker, _ = listing_worker(tmp_path, group)
+    deadline = time.monotonic() + 15
+    while worker.alive():
+        assert time.monotonic() < deadline, worker.log_tail()
+        worker.signal(signal.SIGTERM)
+        time.sleep(0.002)
+    assert worker.wait_exit(5) == 0, worker.log_tail()
 
 
 @pytest.mark.vllm
