@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -85,6 +86,19 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.alive():
             self.popen.send_signal(sig)
+
+    def signal_until_exit(self, sig: int, timeout: float, every_s: float = 0.002) -> int:
+        """Send ``sig`` every ``every_s`` until it exits, as a supervisor repeating a
+        stop does (up to its very end); its exit code."""
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name} still running after {timeout}s:\n{self.log_tail()}"
+                )
+            self.signal(sig)
+            time.sleep(every_s)
+        return self.wait_exit(5)
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit code."""

@@ -282,12 +282,7 @@ def test_sigterm_repeated_until_it_exits_still_exits_0(tmp_path: Path, group: Pr
     """A supervisor repeating SIGTERM up to the very end: the exit is still clean,
     never death by the signal once the launcher has stopped."""
     worker, _ = listing_worker(tmp_path, group)
-    deadline = time.monotonic() + 15
-    while worker.alive():
-        assert time.monotonic() < deadline, worker.log_tail()
-        worker.signal(signal.SIGTERM)
-        time.sleep(0.002)
-    assert worker.wait_exit(5) == 0, worker.log_tail()
+    assert worker.signal_until_exit(signal.SIGTERM, 15) == 0, worker.log_tail()
 
 
 @pytest.mark.vllm

@@ -132,12 +132,7 @@ def test_sigterm_repeated_until_it_exits_still_exits_zero(tmp_path: Path, loop: 
     the exit is still clean, never death by the signal in the interpreter's teardown."""
     with ProcessGroup(tmp_path) as group:
         proc, _ = group.engine_server("server", "--grace-period-s", "1", "--event-loop", loop)
-        deadline = time.monotonic() + 20
-        while proc.alive():
-            assert time.monotonic() < deadline, proc.log_tail()
-            proc.signal(signal.SIGTERM)
-            time.sleep(0.005)
-        assert proc.wait_exit(5) == 0, proc.log_tail()
+        assert proc.signal_until_exit(signal.SIGTERM, 20) == 0, proc.log_tail()
         assert "[shutdown] stopped" in proc.log_tail()
 
 
