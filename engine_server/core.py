@@ -158,14 +158,9 @@ class ServerCore:
             instance_id=self.instance_id,
             model_name=info.model_name,
             model_path=info.model_path,
+            # Every field of the message, as EngineInfo names it.
             engine_config=pb.EngineConfig(
-                context_length=info.context_length,
-                kv_block_size=info.kv_block_size,
-                total_kv_blocks=info.total_kv_blocks,
-                max_running_sequences=info.max_running_sequences,
-                max_batched_tokens=info.max_batched_tokens,
-                data_parallel_size=info.data_parallel_size,
-                data_parallel_start_rank=info.data_parallel_start_rank,
+                **{f.name: getattr(info, f.name) for f in pb.EngineConfig.DESCRIPTOR.fields}
             ),
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
