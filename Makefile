@@ -134,21 +134,24 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # Set-up first, side by side where nothing is shared (the two environments install
-# at once; lint, the stubs' check and buf run while the low end installs). Then
-# three pytest runs, all always run: the e2e suite (processes that mostly wait on
-# each other) on two workers, a file per worker (pytest-xdist: measured faster
-# there, see docs/testing.md); the rest in order, as their timing bounds were
-# measured; then the version-specific suites at the low end of the range.
+# at once; lint, the stubs' check and buf run while the low end installs). Then the
+# pytest runs, all always run: the e2e suite on two workers, a file per worker
+# (pytest-xdist); the other suites the same way (the conformance folder one unit:
+# tests/conftest.py), but for the files marked `serial` (wall-clock bounds measured
+# on an idle machine), which run alone after them; then the version-specific suites
+# at the low end of the range, in order (docs/testing.md).
 # Each run ends with its slowest phases (a test's set-up, call and teardown apart:
 # a shared engine's start-up shows as its first test's set-up), for where the time goes.
 DURATIONS := --durations=15 --durations-min=5
+TWO_WORKERS := -n 2 --dist loadfile
 TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
 
 test:
 	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
 	@rc=0; \
-	$(PY) -m pytest -q $(DURATIONS) -n 2 --dist loadfile tests/e2e || rc=1; \
-	$(PY) -m pytest -q $(DURATIONS) --ignore=tests/e2e || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) -m serial --ignore=tests/e2e || rc=1; \
 	$(LOW_PY) -m pytest -q $(DURATIONS) $(LOW_SUITES) || rc=1; \
 	exit $$rc
 

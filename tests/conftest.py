@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the conformance suite against this running engine server "
         "(HOST:PORT or unix:PATH) instead of the servers the suite starts itself",
     )
+
+
+# Folders whose files share session-scoped, parametrized servers (the conformance
+# suite's engine servers, one per kind). pytest orders a session's tests so that each
+# server starts once; on xdist workers, a file per work unit, every file started them
+# all again (the vLLM one: eleven start-ups instead of one, about 24 CPU-seconds
+# each). Each such folder is one work unit instead, run in pytest's order on one worker.
+ONE_WORK_UNIT = ("tests/conformance/",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, but each ``ONE_WORK_UNIT`` folder is one unit."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FolderUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for folder in ONE_WORK_UNIT:
+                if nodeid.startswith(folder):
+                    return folder
+            return super()._split_scope(nodeid)
+
+    return FolderUnits(config, log)
 
 
 @pytest.fixture(scope="session")

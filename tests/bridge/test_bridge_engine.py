@@ -22,6 +22,8 @@ from harness.waits import wait_until_async
 from rl_client import wire
 from tests.bridge.bridge_fakes import FakeEngine, FakeServer, bridge_on
 
+pytestmark = pytest.mark.serial
+
 
 def bridge_for(address: str, timeout: float = 5.0) -> BridgeEngine:
     return BridgeEngine(

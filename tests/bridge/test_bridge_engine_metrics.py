@@ -34,6 +34,8 @@ from harness.metrics import Samples
 from harness.nemo_rl import sampler_metrics
 from tests.bridge.bridge_fakes import FakeEngine, FakeServer, serve_loopback
 
+pytestmark = pytest.mark.serial
+
 DYNAMO_TEXT = (
     "# HELP dynamo_component_requests_total Requests\n"
     "# TYPE dynamo_component_requests_total counter\n"

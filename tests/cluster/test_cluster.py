@@ -29,6 +29,7 @@ from harness.stack import KV_ROUTER_ARGS, Stack
 from harness.waits import wait_until
 
 pytestmark = [
+    pytest.mark.serial,
     pytest.mark.dynamo,
     pytest.mark.cluster,
     pytest.mark.skipif(

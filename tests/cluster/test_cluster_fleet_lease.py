@@ -34,6 +34,7 @@ from rl_client.refit import EngineRefitClient
 from tests.rl_client.test_fleet_refit import Faulty
 
 pytestmark = [
+    pytest.mark.serial,
     pytest.mark.cluster,
     pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (make cluster-deps)"),
 ]

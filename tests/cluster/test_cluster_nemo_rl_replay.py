@@ -78,6 +78,7 @@ from rl_client.batch import GenerationOutput, assemble
 from rl_client.weight_sync import DynamoWeightSyncClient
 
 pytestmark = [
+    pytest.mark.serial,
     pytest.mark.dynamo,
     pytest.mark.cluster,
     pytest.mark.vllm,

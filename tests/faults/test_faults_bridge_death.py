@@ -28,7 +28,7 @@ from tests.faults.faults_common import (
     wait_kv_hit,
 )
 
-pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+pytestmark = [pytest.mark.serial, pytest.mark.dynamo, pytest.mark.slow]
 
 MODEL = "tiny-bridge-death"
 IN_FLIGHT = 64

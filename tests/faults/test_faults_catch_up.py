@@ -55,7 +55,7 @@ from rl_client.refit import EngineRefitClient
 from rl_client.refit_report import Deadlines
 from tests.faults.faults_common import prompt, record
 
-pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+pytestmark = [pytest.mark.serial, pytest.mark.dynamo, pytest.mark.slow]
 
 MODEL = "tiny-catch-up"
 NAMESPACE = "nstinycatchup"

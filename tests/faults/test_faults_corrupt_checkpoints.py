@@ -34,6 +34,8 @@ from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tokens_and_logprobs
 from harness.procs import ProcessGroup
 
+pytestmark = pytest.mark.serial
+
 CASES = int(os.environ.get("FUZZ_CASES", "50"))
 SEED = 28
 CHECK_TIMEOUT_S = 2.0

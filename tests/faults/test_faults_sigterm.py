@@ -28,7 +28,7 @@ from harness.waits import wait_until
 from rl_client import driver
 from tests.faults.faults_common import LONG_SIM_ARGS, prompt, record
 
-pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
+pytestmark = [pytest.mark.serial, pytest.mark.dynamo, pytest.mark.slow]
 
 MODEL = "tiny-sigterm"
 GRACE_S = 2.0

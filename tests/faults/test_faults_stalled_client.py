@@ -24,6 +24,8 @@ from harness.engine import (
 from harness.procs import Proc, ProcessGroup
 from tests.faults.faults_common import record
 
+pytestmark = pytest.mark.serial
+
 WATCHDOG_S = 1.0
 # Up to 30k tokens of flood_generate's large deltas.
 MAX_TOKENS = 30_000

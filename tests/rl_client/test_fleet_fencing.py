@@ -40,6 +40,8 @@ from rl_client.refit_rpc import RefitRpc
 from tests.rl_client.fleet_fakes import Obedient
 from tests.rl_client.test_fleet_refit import PROMPT, Faulty, Fleet, real, serving
 
+pytestmark = pytest.mark.serial
+
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -27,6 +27,8 @@ from harness.procs import ProcessGroup
 from tests.faults.faults_common import record
 from tests.server.abuse_common import GetLoadProbe, PeakRss, server_cost, server_with_limits
 
+pytestmark = pytest.mark.serial
+
 FLOOD = 100_000
 ROLLOUTS = "/engine_contract.v1.EngineService/Rollouts"
 MB = 1e6

@@ -28,7 +28,7 @@ from harness.waits import wait_until_probe_async
 from tests.faults.faults_common import record
 from tests.server.abuse_common import GetLoadProbe, PeakRss, server_cost
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.serial, pytest.mark.slow]
 
 WATCHDOG_S = 2.0
 SUBSCRIBERS = 200

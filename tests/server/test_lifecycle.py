@@ -20,6 +20,8 @@ from harness.engine import InProcessServer, health_status, sim_cli_args
 from harness.procs import ProcessGroup
 from harness.waits import wait_until
 
+pytestmark = pytest.mark.serial
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -31,6 +31,8 @@ from harness.ports import free_port
 from harness.procs import ProcessGroup
 from harness.waits import wait_until
 
+pytestmark = pytest.mark.serial
+
 CAUSES = ("client_cancel", "abort_rpc", "drain", "watchdog", "pause")
 
 

@@ -40,6 +40,8 @@ from engine_server.errors import (
 from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import tiny_weights_dir, unreadable_entry
 
+pytestmark = pytest.mark.serial
+
 T = TypeVar("T")
 
 

@@ -18,6 +18,8 @@ from engine_server.core import ServerCore
 from engine_server.errors import RefitTimedOut
 from tests.unit.test_refit_control import sim_core
 
+pytestmark = pytest.mark.serial
+
 
 def hanging_transfer(core: ServerCore, transfer_backend: str) -> tuple[list[Any], list[bool]]:
     """The backend's init hangs (a trainer that never connects); returns (the init

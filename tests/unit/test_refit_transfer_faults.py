@@ -32,7 +32,7 @@ from engine_server.errors import (
 from tests.unit.test_refit_control import nothing, sim_core, still_serving, update_started
 from tests.unit.test_refit_init_deadline import hanging_transfer
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(30)]
 
 
 class SerialEngine:

@@ -20,6 +20,8 @@ from launch.supervisor import (
     RestartPolicy,
 )
 
+pytestmark = pytest.mark.serial
+
 FAST = RestartPolicy(initial_s=0.05, max_s=0.05, jitter=0)
 
 

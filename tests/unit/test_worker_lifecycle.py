@@ -20,6 +20,8 @@ from engine_worker.private_dir import SUN_PATH_MAX, PrivateDir
 from harness import ROOT
 from launch.supervisor import RestartPolicy
 
+pytestmark = pytest.mark.serial
+
 # A child that logs its SIGTERM to the file argv[1] and, for the bridge, drains
 # (argv[3] seconds, or forever: "hang") before it exits.
 CHILD = """

@@ -26,7 +26,7 @@ from engine_server.backends.vllm import VllmBackend
 from harness.waits import wait_until_async
 from tests.vllm_engine.engines import tiny_engine_args
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.serial, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 LONG = SamplingSpec(max_tokens=400, temperature=0.0, top_k=1, logprobs=0, ignore_eos=True)
 SHORT = SamplingSpec(max_tokens=24, temperature=0.0, top_k=1, logprobs=0, ignore_eos=True)

@@ -78,7 +78,7 @@ from harness.procs import ProcessGroup
 from rl_client.weight_sync import ContractWeightSyncClient
 from tests.vllm_engine.test_vllm_refit import Outputs, run, same
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.serial, pytest.mark.vllm]
 
 if HAS_TRAINER_ENGINES:
     from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource

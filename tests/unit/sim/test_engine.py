@@ -17,6 +17,8 @@ from engine_server.backends.sim import SimBackend
 from harness.waits import wait_until_async
 from tests.unit.sim.sim_helpers import collect, logprobs_of, tokens_of
 
+pytestmark = pytest.mark.serial
+
 PROMPT = list(range(40))
 
 
