@@ -39,6 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 ONE_WORK_UNIT = ("tests/conformance/",)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it, never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile``, but each ``ONE_WORK_UNIT`` folder is one unit."""
     if config.getoption("dist") != "loadfile":
