@@ -262,9 +262,14 @@ class RefitControl:
     async def resume(self) -> pb.ResumeGenerationResponse:
         async with self._lock:
             if self.transfer.update is not None:
+                # A trainer that died between its calls cannot finish it: say the
+                # other way out (TransferPhases.shut_down), and what it leaves.
                 raise RefitRefused(
                     "a weight update is in progress (StartWeightUpdate without "
-                    "FinishWeightUpdate): finish it before resuming"
+                    "FinishWeightUpdate): finish it before resuming, or, if its trainer "
+                    "is gone, end it with ShutdownWeightTransferEngine (the gloo engine "
+                    "rolls it back; after another engine's rounds, push a whole update "
+                    "before resuming)"
                 )
             was_paused = self.paused is not None
             try:
