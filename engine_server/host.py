@@ -32,13 +32,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Generator, Mapping, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -47,6 +44,7 @@ from engine_server.config import ServerConfig
 from engine_server.server import EngineServerHandle, serve
 from launch.bridge_command import BridgeLaunch, bridge_argv
 from launch.parent_death import with_parent_pid
+from launch.private_dir import PrivateDir
 from launch.supervisor import ChildProcess, IntoLogging, RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -64,7 +62,7 @@ class DynamoEndpoint:
         self,
         server: EngineServerHandle | None = None,
         bridge: ChildProcess | None = None,
-        private_dir: Path | None = None,
+        private_dir: PrivateDir | None = None,
         reason: str = "",
     ) -> None:
         self.server = server
@@ -111,7 +109,7 @@ class DynamoEndpoint:
         if self.server is not None:
             await self.server.stop(grace_period_s)
         if self._private_dir is not None:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
+            await self._private_dir.remove_async()
         self._stopped.set()
 
 
@@ -184,17 +182,17 @@ async def start_dynamo_endpoint(
         log.info("%s", reason)
         return DynamoEndpoint(reason=reason)
     backend = _backend_for(engine)
-    private_dir: Path | None = None
+    private_dir: PrivateDir | None = None
     if config is None:
-        private_dir = Path(tempfile.mkdtemp(prefix="engine-server-"))  # mode 0700
-        config = ServerConfig(listen=f"unix:{private_dir / 'engine.sock'}")
+        private_dir = PrivateDir()
+        config = ServerConfig(listen=private_dir.address)
     try:
         # Our wrapper around the host's AsyncLLM stops its relays and leaves the
         # engine; a backend the host gave us is the host's to stop.
         server = await serve(backend, config, shutdown_backend=backend is not engine)
     except BaseException:
         if private_dir is not None:
-            shutil.rmtree(private_dir, ignore_errors=True)
+            private_dir.remove()
         raise
     info = server.core.info
     name = served_model_name or (info.model_name if info is not None else None)

@@ -41,13 +41,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -56,6 +53,7 @@ from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
 from engine_server.host import DynamoEndpoint, start_dynamo_endpoint
 from engine_server.vllm_plugin import OWNER_ENV
+from launch.private_dir import PrivateDir
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +146,7 @@ class DynamoEngineWorker:
         # The engine this worker owns: an EngineBackend or a vLLM AsyncLLM.
         self.engine: Any = None
         self.endpoint: DynamoEndpoint | None = None
-        self._socket_dir: Path | None = None
+        self._socket_dir: PrivateDir | None = None
         self._starting: asyncio.Task[None] | None = None
 
     def make_engine(self) -> tuple[Any, ServerConfig | None]:
@@ -177,8 +175,8 @@ class DynamoEngineWorker:
             why = "see stderr for argparse's message" if isinstance(e.code, int) else e.code
             raise ValueError(f"engine_args {argv}: {why}") from None
         if not any(a == "--listen" or a.startswith("--listen=") for a in argv):
-            self._socket_dir = Path(tempfile.mkdtemp(prefix="engine-server-"))  # mode 0700
-            config = replace(config, listen=f"unix:{self._socket_dir / 'engine.sock'}")
+            self._socket_dir = PrivateDir()
+            config = replace(config, listen=self._socket_dir.address)
         return backend, config
 
     async def start(self) -> WorkerStatus:
@@ -259,7 +257,7 @@ class DynamoEngineWorker:
         elif engine is not None:  # an AsyncLLM: its shutdown blocks
             await asyncio.to_thread(engine.shutdown)
         if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            await self._socket_dir.remove_async()
         if exit_actor:
             ray.actor.exit_actor()
 

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import TypeVar, cast
 
 from engine_worker.flags import MARKER, Arity, describe
-from engine_worker.private_dir import PrivateDir
 from engine_worker.split import Split, UsageError, split_args
 from launch.bridge_command import BridgeLaunch, bridge_argv
 from launch.parent_death import death_signal_setter, with_parent_pid
+from launch.private_dir import PrivateDir
 from launch.stop_signals import stop_signals
 from launch.supervisor import (
     USAGE_ERROR,
@@ -261,7 +261,7 @@ async def plan(
     model_dir = await _in_daemon_thread(lambda: local_model_dir(model))
     # Last, with no wait after it: a stop cannot leave it behind unrecorded.
     private = PrivateDir()
-    address = f"unix:{private.socket}"
+    address = private.address
     engine_argv = [args.engine_python, "-m", "engine_server"]
     engine_argv += ["--backend", args.backend, "--listen", address]
     launch = BridgeLaunch(engine_address=address, model_path=model_dir)

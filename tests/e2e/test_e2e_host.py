@@ -139,14 +139,18 @@ async def test_sigterm_runs_the_hosts_handler_and_the_model_leaves(stack: Stack)
 
 
 async def test_kill_9_of_the_host_takes_the_model_out_of_discovery(stack: Stack) -> None:
+    """...and leaves no socket folder behind (the watcher removes it)."""
     host = start_host(stack, "hosted", "sim")
     stack.wait_models(["hosted"], timeout=60)
     bridge = host.status()["bridge_pid"]
+    folder = Path(host.status()["address"].removeprefix("unix:")).parent
+    assert folder.is_dir() and folder.stat().st_mode & 0o777 == 0o700
     host.proc.kill()
     started = time.monotonic()
     wait_until(lambda: "hosted" not in served_models(stack.base_url), 10, "model gone", [])
     gone_s = time.monotonic() - started
     wait_until(lambda: not alive(bridge), 10, "bridge exited", [])
+    wait_until(lambda: not folder.exists(), 10, "socket folder removed", [])
     print(f"model left discovery {gone_s:.1f}s after kill -9 of the host")
 
 

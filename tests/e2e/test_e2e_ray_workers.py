@@ -246,10 +246,13 @@ def test_ray_kill_takes_the_model_out_of_discovery_and_leaves_no_process(
     actor, status = start_worker(ray_stack, actors, "ray-kill", engine_args=SIM_ARGS)
     tree = process_tree(status.pid)
     assert status.bridge_pid in tree
+    assert status.address is not None
+    folder = Path(status.address.removeprefix("unix:")).parent  # its socket's 0700 folder
     ray.kill(actor)
     seen = timeline({"unlisted": unlisted(ray_stack, "ray-kill"), **tree_exited(tree)})
     print(f"ray.kill: {seen}")
     assert seen["unlisted"] < LEAVE_BOUND_S, seen
+    wait_until(lambda: not folder.exists(), 10, "socket folder removed", [])
     assert "killed by `ray.kill`" in death_cause(actor._actor_id.hex())
 
 

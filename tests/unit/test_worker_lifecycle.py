@@ -5,8 +5,10 @@ removed even after a SIGKILL), the children stopped bridge first, and an empty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from engine_worker.cli import Plan, supervise
-from engine_worker.private_dir import SUN_PATH_MAX, PrivateDir
 from harness import ROOT
+from launch.private_dir import SUN_PATH_MAX, PrivateDir
 from launch.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.serial
@@ -50,7 +52,7 @@ def test_the_socket_path_fits_in_bytes_under_a_non_ascii_tmpdir(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # 100 characters to the socket, but 2 bytes for each "é": over sun_path's limit.
-    rest = len("/engine-worker-12345678/engine.sock")
+    rest = len("/engine-server-12345678/engine.sock")
     top = Path(tempfile.mkdtemp(dir="/tmp"))  # short: pytest's own tmp_path may not be
     try:
         base = top / ("é" * (100 - rest - len(os.fspath(top)) - 1))
@@ -71,7 +73,7 @@ def test_the_socket_path_fits_in_bytes_under_a_non_ascii_tmpdir(
 
 def test_the_socket_folder_goes_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     code = (
-        "import time; from engine_worker.private_dir import PrivateDir;"
+        "import time; from launch.private_dir import PrivateDir;"
         "print(PrivateDir().path, flush=True); time.sleep(60)"
     )
     launcher = subprocess.Popen(
@@ -90,6 +92,39 @@ def test_the_socket_folder_goes_with_a_sigkilled_launcher(tmp_path: Path) -> Non
     finally:
         launcher.kill()
         launcher.wait(10)
+
+
+def test_the_socket_folder_goes_though_a_forked_child_holds_the_watchers_pipe() -> None:
+    """The owner forks without exec (as a fork-started multiprocessing worker is),
+    so its child holds the pipe's write end too; the owner is SIGKILLed, the child
+    lives on: the watcher sees its parent gone and removes the folder."""
+    code = (
+        "import os, time; from launch.private_dir import PrivateDir;"
+        "p = PrivateDir(); pid = os.fork()\n"
+        "if pid == 0: time.sleep(60); os._exit(0)\n"
+        "print(p.path, pid, flush=True); time.sleep(60)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    child = None
+    try:
+        assert owner.stdout is not None
+        path, pid = owner.stdout.readline().split()
+        folder, child = Path(path), int(pid)
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not folder.exists()
+        os.kill(child, 0)  # the pipe's other holder was alive all along
+    finally:
+        owner.kill()
+        owner.wait(10)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def _plan(tmp_path: Path, bridge_drain: str) -> tuple[Plan, Path]:
