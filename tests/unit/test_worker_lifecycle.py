@@ -19,6 +19,7 @@ import pytest
 
 from engine_worker.cli import Plan, supervise
 from harness import ROOT
+from harness.waits import wait_until
 from launch.private_dir import SUN_PATH_MAX, PrivateDir
 from launch.supervisor import RestartPolicy
 
@@ -71,60 +72,40 @@ def test_the_socket_path_fits_in_bytes_under_a_non_ascii_tmpdir(
         shutil.rmtree(top)
 
 
-def test_the_socket_folder_goes_with_a_sigkilled_launcher(tmp_path: Path) -> None:
-    code = (
-        "import time; from launch.private_dir import PrivateDir;"
-        "print(PrivateDir().path, flush=True); time.sleep(60)"
-    )
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert launcher.stdout is not None
-        folder = Path(launcher.stdout.readline().strip())
-        assert folder.is_dir()
-        launcher.kill()
-        launcher.wait(10)
-        deadline = time.monotonic() + 10
-        while folder.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not folder.exists()
-    finally:
-        launcher.kill()
-        launcher.wait(10)
+# The owner of a PrivateDir, killed outright: alone, or with a child it forked without
+# exec (as a fork-started multiprocessing worker is) that holds the watcher's pipe too.
+OWNERS = {
+    "alone": "",
+    "with a forked child": "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n",
+}
 
 
-def test_the_socket_folder_goes_though_a_forked_child_holds_the_watchers_pipe() -> None:
-    """The owner forks without exec (as a fork-started multiprocessing worker is),
-    so its child holds the pipe's write end too; the owner is SIGKILLed, the child
-    lives on: the watcher sees its parent gone and removes the folder."""
+@pytest.mark.parametrize("forks", OWNERS.values(), ids=list(OWNERS))
+def test_the_socket_folder_goes_with_a_sigkilled_owner(forks: str) -> None:
     code = (
-        "import os, time; from launch.private_dir import PrivateDir;"
-        "p = PrivateDir(); pid = os.fork()\n"
-        "if pid == 0: time.sleep(60); os._exit(0)\n"
-        "print(p.path, pid, flush=True); time.sleep(60)"
+        "import os, time\nfrom launch.private_dir import PrivateDir\np = PrivateDir()\n"
+        f"{forks}print(p.path, flush=True)\ntime.sleep(60)\n"
     )
     owner = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its group: the owner and any child it forked
     )
-    child = None
     try:
         assert owner.stdout is not None
-        path, pid = owner.stdout.readline().split()
-        folder, child = Path(path), int(pid)
+        folder = Path(owner.stdout.readline().strip())
+        assert folder.is_dir()
         owner.kill()
         owner.wait(10)
-        deadline = time.monotonic() + 10
-        while folder.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not folder.exists()
-        os.kill(child, 0)  # the pipe's other holder was alive all along
+        wait_until(lambda: not folder.exists(), 10, "the socket folder removed")
+        if forks:
+            os.killpg(owner.pid, 0)  # the pipe's other holder lived on meanwhile
     finally:
-        owner.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
         owner.wait(10)
-        if child is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
 
 
 def _plan(tmp_path: Path, bridge_drain: str) -> tuple[Plan, Path]:
