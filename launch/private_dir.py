@@ -95,5 +95,9 @@ class PrivateDir:
             return
         assert watcher.stdin is not None
         watcher.stdin.close()  # end-of-file: it finds the folder gone and exits
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            watcher.wait(5)
+        try:
+            watcher.wait(1)
+        except subprocess.TimeoutExpired:  # still starting, or a forked child holds the pipe
+            watcher.kill()  # the folder is gone: nothing left for it to do
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                watcher.wait(5)

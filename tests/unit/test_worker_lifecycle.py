@@ -108,6 +108,22 @@ def test_the_socket_folder_goes_with_a_sigkilled_owner(forks: str) -> None:
         owner.wait(10)
 
 
+def test_remove_ends_the_watcher_though_a_forked_child_holds_its_pipe() -> None:
+    private = PrivateDir()
+    watcher = private._watcher
+    assert watcher is not None
+    child = os.fork()
+    if child == 0:  # holds the pipe's write end, as a fork-started worker would
+        time.sleep(30)
+        os._exit(0)
+    try:
+        private.remove()
+        assert not private.path.exists() and watcher.poll() is not None
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def _plan(tmp_path: Path, bridge_drain: str) -> tuple[Plan, Path]:
     log = tmp_path / "events"
     log.touch()
