@@ -288,11 +288,16 @@ class ServerCore:
     # -- version-guarded requests (revision 8) -------------------------------------
 
     def _check_version(self, plan: admission.Plan) -> None:
-        """Refuse (retryable) a version-guarded request the weights here cannot serve."""
+        """Refuse (retryable) a version-guarded request the weights here cannot serve:
+        labelled another version, or part way through an update (the label names
+        none of what serves)."""
         required = plan.required_weight_version
-        if required is not None and required != self.refit.version:
+        if required is None:
+            return
+        mixed = self.refit.transfer.mixed_weights()
+        if required != self.refit.version or mixed is not None:
             metrics.WEIGHT_VERSION_REFUSALS.inc()
-            raise WeightVersionMismatch(required, self.refit.version)
+            raise WeightVersionMismatch(required, self.refit.version, mixed=mixed)
 
     def _guard(self, plan: admission.Plan, entry: ActiveRequest) -> None:
         """Checked again past the gate (a refit may have relabelled the weights while

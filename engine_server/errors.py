@@ -107,13 +107,26 @@ class WeightVersionMismatch(ServerError):
 
     code = grpc.StatusCode.ABORTED
 
-    def __init__(self, required: str, serving: str, *, engine_changed: bool = False) -> None:
-        what = (
-            f"the engine's weights became {clip(serving)} under it (not through this "
-            "server's refit calls); nothing of it is returned"
-            if engine_changed
-            else f"this server serves {clip(serving)}; nothing was generated"
-        )
+    def __init__(
+        self,
+        required: str,
+        serving: str,
+        *,
+        engine_changed: bool = False,
+        mixed: str | None = None,
+    ) -> None:
+        if engine_changed:
+            what = (
+                f"the engine's weights became {clip(serving)} under it (not through this "
+                "server's refit calls); nothing of it is returned"
+            )
+        elif mixed is not None:
+            what = (
+                f"this server's weights, labelled {clip(serving)}, are not one version "
+                f"whole: {mixed}; nothing was generated"
+            )
+        else:
+            what = f"this server serves {clip(serving)}; nothing was generated"
         super().__init__(
             f"required_weight_version: the request requires weight version {clip(required)}, "
             f"{what}: send it again later or to a server serving that version"

@@ -272,6 +272,13 @@ class RefitControl:
                     "before resuming)"
                 )
             was_paused = self.paused is not None
+            if was_paused and self.transfer.mixed is not None:
+                raise RefitRefused(
+                    f"{self.transfer.mixed}: load whole weights before resuming (a "
+                    "weight-transfer update to its FinishWeightUpdate, or "
+                    "UpdateWeightsFromPath or UpdateWeightsFromTensors without "
+                    "allow_partial)"
+                )
             try:
                 # Always, also when not paused: an engine paused by a pause whose
                 # caller went away is released this way.
@@ -353,12 +360,16 @@ class RefitControl:
         self, options: pb.WeightUpdateOptions, load: WeightLoad, reset: bool, started: float
     ) -> pb.WeightUpdateResult:
         """Once the whole update loaded: the prefix cache reset, then the label set
-        (never before: a failed update keeps the old one); the result to answer."""
+        (never before: a failed update keeps the old one); the result to answer.
+        Weights left part old, part new (``transfer.mixed``) are whole again unless
+        the update may have named only some tensors (``allow_partial``)."""
         if reset:
             # KEEP-frozen requests hold blocks: they are recomputed on resume.
             await to_the_end(self._backend.reset_prefix_cache(running=True))
         if options.HasField("weight_version"):
             await self._set_version(options.weight_version)
+        if not options.allow_partial:
+            self.transfer.mixed = None
         return pb.WeightUpdateResult(
             weight_version=self._version,
             cache_cleared=reset,

@@ -12,6 +12,14 @@ make up the state:
   or, while loading, not: the weights unknown), when a step that loads runs past its
   deadline, when a teardown runs, and when a new init or a shutdown finds an update
   its trainer left part way and the engine rolls it back (``abandon``).
+- **whether the weights are whole** (``mixed_weights``): once an UpdateWeights
+  round has gone to the engine, the weights are neither the old ones nor the new
+  until the update finishes, and an update that ends otherwise, not rolled back
+  (an engine without ``abort_weight_update``: vLLM's NCCL one; a finish whose
+  caller left before the label was set), leaves them so (``mixed``) until whole
+  weights land (``RefitControl.finish_update``). Meanwhile the label does not say
+  what serves: no version-guarded request is served, and a paused server does
+  not resume.
 - **the engine's lane** (``stuck``): free, or held by a step given up on at its
   deadline that still runs in the engine (``StuckStep``), with any teardown queued
   behind it there. While held, a new init (or a shutdown none is queued for) is
@@ -37,7 +45,7 @@ from engine_contract import refit_rules
 from engine_contract.text import clip
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.backends.base import EngineBackend
-from engine_server.backends.refit import RefitUnsupported
+from engine_server.backends.refit import RefitUnsupported, WeightUpdateError
 from engine_server.config import RefitConfig
 from engine_server.deadlines import Expired, to_the_end
 from engine_server.errors import (
@@ -64,13 +72,16 @@ class Step(enum.Enum):
     TEARDOWN = "teardown"  # shutdown: past the deadline no update is left in progress
 
 
-@dataclass(frozen=True)
+@dataclass
 class OpenUpdate:
     """An update between StartWeightUpdate and FinishWeightUpdate."""
 
     options: pb.WeightUpdateOptions
     reset: bool  # whether the prefix cache is reset once it finished
     started: float  # time.monotonic() when it started
+    # UpdateWeights rounds sent to the engine: each may have loaded, whatever its
+    # caller saw (one refused before the engine saw it is taken back).
+    rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,9 @@ class TransferPhases:
         self._break = on_break
         self.update: OpenUpdate | None = None
         self.stuck: StuckStep | None = None
+        # Why the weights are part old, part new: an update ended after its rounds
+        # reached the engine, neither finished nor rolled back. None: whole.
+        self.mixed: str | None = None
 
     # -- the trainer's update ---------------------------------------------------
 
@@ -122,8 +136,30 @@ class TransferPhases:
             raise RefitRefused(refit_rules.PhaseRefusal.ALREADY_STARTED.value)
 
     def close(self) -> None:
-        """The update is over (finished, or given up on)."""
+        """The update finished: the engine holds its weights whole."""
         self.update = None
+
+    def drop(self, how: str) -> None:
+        """The update is over without its finish, not rolled back (``how``: the way
+        it ended): whatever its rounds loaded stays in the engine."""
+        update, self.update = self.update, None
+        if update is None or not update.rounds:
+            return
+        self.mixed = (
+            f"a weight-transfer update ended unfinished ({how}) after {update.rounds} "
+            "UpdateWeights round(s) reached the engine, which did not roll them back; the "
+            "weights are part old, part new, or new under the old label"
+        )
+        log.warning("%s", self.mixed)
+
+    def mixed_weights(self) -> str | None:
+        """Why the weights serving are not the ones their label names, or None."""
+        if self.update is not None and self.update.rounds:
+            return (
+                f"a weight-transfer update is part way, {self.update.rounds} UpdateWeights "
+                "round(s) sent since StartWeightUpdate and no FinishWeightUpdate yet"
+            )
+        return self.mixed
 
     # -- the phases ---------------------------------------------------------------
 
@@ -146,20 +182,31 @@ class TransferPhases:
         await self.run(step, "StartWeightUpdate", Step.SETUP)
         self.update = OpenUpdate(options, reset, time.monotonic())
 
+    async def load_round(self, step: Awaitable[None]) -> None:
+        """One UpdateWeights round (``step``) of the update in progress, counted as
+        sent before it goes (its caller may leave while the engine loads it)."""
+        update = self.started()
+        update.rounds += 1
+        try:
+            await self.run(step, "UpdateWeights", Step.LOADING)
+        except WeightUpdateError:  # refused before the engine saw it
+            update.rounds -= 1
+            raise
+
     async def shut_down(self) -> None:
         """The transfer engine released: an update its trainer left is rolled back
         first; one queued behind a stuck step already is not sent again."""
         stuck = self.stuck
         if stuck is not None and stuck.teardown_queued and not stuck.ended.done():
             log.info("weight-transfer shutdown: already queued behind %s", stuck.phase)
-            self.update = None
+            self.drop("ShutdownWeightTransferEngine")
             return
         self._refuse_if_stuck()
         await self.abandon("ShutdownWeightTransferEngine releases the trainer's group")
         await self.run(
             self._backend.shutdown_weight_transfer(), "ShutdownWeightTransferEngine", Step.TEARDOWN
         )
-        self.update = None
+        self.drop("ShutdownWeightTransferEngine")
 
     def _refuse_if_stuck(self) -> None:
         """UNAVAILABLE at once, for a new init (or a shutdown none is queued for), while
@@ -260,7 +307,7 @@ class TransferPhases:
             if kind is Step.SETUP:
                 late += await self._tear_down(task, phase)
             else:  # the teardown itself: whatever it left, no update is in progress
-                self.update = None
+                self.drop(f"{phase} given up on at its deadline")
                 self.stuck = StuckStep(phase, time.monotonic(), task, True)
             raise RefitTimedOut(
                 f"{late}; nothing was loaded, the old weights still serve"

@@ -33,7 +33,6 @@ from engine_server.config import RefitConfig
 from engine_server.deadlines import Expired, in_daemon_thread, to_the_end
 from engine_server.errors import InvalidRequest, RefitRefused, RefitTimedOut, WeightsPathDenied
 from engine_server.refit_control import RefitControl, check_version
-from engine_server.transfer_phases import Step
 
 log = logging.getLogger(__name__)
 
@@ -211,11 +210,7 @@ class WeightUpdates:
         async with refit.lock:
             refit.transfer.started()
             try:
-                await refit.transfer.run(
-                    refit.changing(self._backend.update_weights(info)),
-                    "UpdateWeights",
-                    Step.LOADING,
-                )
+                await refit.transfer.load_round(refit.changing(self._backend.update_weights(info)))
             except WeightUpdateError as e:  # refused before the engine saw it
                 raise InvalidRequest(
                     "update_info_json", f"{e}; nothing was loaded, the weights serving stay"
@@ -229,6 +224,10 @@ class WeightUpdates:
         refit = self._refit
         async with refit.lock:
             update = refit.transfer.started()
+            # The label, and whether the update may have named only some tensors.
+            options = pb.WeightUpdateOptions(allow_partial=update.options.allow_partial)
+            if request.HasField("weight_version"):
+                options.weight_version = request.weight_version
             try:
                 load = await refit.load(
                     self._backend.finish_weight_update(),
@@ -237,13 +236,12 @@ class WeightUpdates:
                     self._config.timeout_s,
                     begun_here=False,  # counted at StartWeightUpdate, loaded since
                 )
-            finally:
-                refit.transfer.close()
-            if request.HasField("weight_version"):
-                options = pb.WeightUpdateOptions(weight_version=request.weight_version)
-            else:
-                options = pb.WeightUpdateOptions()
-            result = await refit.finish_update(options, load, update.reset, update.started)
+                result = await refit.finish_update(options, load, update.reset, update.started)
+            except BaseException:
+                # Loaded or not, its label is not set: the rounds stay as they are.
+                refit.transfer.drop("its FinishWeightUpdate failed or its caller left")
+                raise
+            refit.transfer.close()
             return pb.FinishWeightUpdateResponse(result=result)
 
     async def shutdown_weight_transfer(self) -> None:

@@ -312,7 +312,10 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResumeGeneration(self, request, context):
-        """Lets waiting and frozen requests run; a no-op when not paused.
+        """Lets waiting and frozen requests run; a no-op when not paused. Refused
+        (FAILED_PRECONDITION) while a weight-transfer update is open, and while
+        one that ended unfinished after its rounds left the weights part old,
+        part new (an engine that cannot roll back), until whole weights land.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

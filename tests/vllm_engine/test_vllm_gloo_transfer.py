@@ -544,7 +544,9 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
     """A trainer written for vLLM 0.23 (NeMo RL's pin) against the engine server, on
     either vLLM: ``trainer_init`` while the worker joins, then the worker's start,
     update (NeMo RL's ``packed: true``) and finish over the contract while
-    ``trainer_send_weights`` broadcasts; paused meanwhile, as NeMo RL pauses."""
+    ``trainer_send_weights`` broadcasts; paused meanwhile, as NeMo RL pauses.
+    Between the update's round and its finish the weights are part way: a rollout
+    that requires the label they still carry is refused at once (ABORTED)."""
     from transformers import AutoModelForCausalLM
 
     on_a, on_b = servers
@@ -555,7 +557,19 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
         b = pb_grpc.EngineServiceStub(b_channel)
         vocab = a.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).vocab_size
         reference = run(b, vocab)
+        label = a.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=30).weight_version
         client = ContractWeightSyncClient(on_a, weight_version="static-b", timeout_s=120)
+        finish = client.finish_weight_update
+        refusals: list[str] = []
+
+        def finish_after_a_guarded_rollout(*args: Any, **kwargs: Any) -> None:
+            with pytest.raises(grpc.RpcError) as refused:
+                a.Rollout(guarded(label), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value.details()
+            refusals.append(refused.value.details() or "")
+            finish(*args, **kwargs)
+
+        client.finish_weight_update = finish_after_a_guarded_rollout  # type: ignore[method-assign]
         try:
             a.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
             static_gloo_round(client, params, 2, {"rank_offset": 1}, {"packed": True})
@@ -565,6 +579,24 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
             same(run(a, vocab), reference)
         finally:
             client.close()
+        assert len(refusals) == 1 and "a weight-transfer update is part way" in refusals[0]
+        served = a.Rollout(guarded("static-b"), timeout=60)
+        assert [s.version for s in served.weight_versions] == ["static-b"]
+        assert list(served.token_ids) == greedy(b, PROMPT)[0]
+
+
+PROMPT = [5, 17, 99, 250, 7, 31]
+
+
+def guarded(version: str) -> pb.RolloutRequest:
+    """A greedy rollout of ``PROMPT`` that requires weight version ``version``."""
+    return pb.RolloutRequest(
+        request_id=f"guarded-{time.monotonic_ns()}",
+        prompt_token_ids=PROMPT,
+        greedy=True,
+        max_new_tokens=16,
+        required_weight_version=version,
+    )
 
 
 @contextmanager

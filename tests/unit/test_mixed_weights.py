@@ -1,0 +1,203 @@
+"""Weights whose label no longer names them, at the serving core: a weight-transfer
+update part way (its rounds loaded, not finished), or one that ended unfinished on an
+engine that cannot roll it back (vLLM's NCCL engine; here the sim's phases, each a
+no-op, and the base backend's refusal to roll back).
+
+- While an update is part way, no version-guarded request is served, the label's
+  version included; unguarded ones are (an unpaused update is its trainer's choice).
+- An update left unfinished after its rounds (its trainer gone, its finish failed or
+  cancelled) keeps a paused server paused and guarded requests refused until whole
+  weights land: a finished transfer update, or a path or tensor update that names
+  every tensor (not ``allow_partial``).
+- An update left before any round reached the engine, or whose only round was
+  refused before the engine saw it, leaves the weights whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_contract.tensors import update_requests
+from engine_contract.v1 import engine_pb2 as pb
+from engine_server.backends.refit import WeightLoad, WeightUpdateError
+from engine_server.config import RefitConfig
+from engine_server.core import ServerCore
+from engine_server.errors import InvalidRequest, RefitRefused, WeightVersionMismatch
+from engine_server.refit_requests import update_from_tensors
+from harness.checkpoints import checkpoint_tensors
+from tests.unit.test_refit_control import (
+    aiter_of,
+    from_path,
+    nothing,
+    paused,
+    sim_core,
+    still_serving,
+    update_started,
+)
+from tests.unit.test_weight_guard import collect, generate, rollout, spans, tokens_made
+
+pytestmark = pytest.mark.timeout(60)
+
+MIXED = r"ended unfinished \({how}\) after {rounds} UpdateWeights round\(s\) reached the engine"
+
+
+async def finished() -> WeightLoad:
+    return WeightLoad(0, 0)
+
+
+@pytest.fixture
+async def core(model_dir: Path) -> AsyncIterator[ServerCore]:
+    """The sim on the tiny model, labelled "v1", its transfer phases no-ops and no
+    way to roll an update back; default deadlines (a path load is no race)."""
+    async with sim_core(RefitConfig(), model=model_dir) as server:
+        backend = server.backend
+        backend.init_weight_transfer = nothing  # type: ignore[method-assign]
+        backend.start_weight_update = nothing  # type: ignore[method-assign]
+        backend.update_weights = nothing  # type: ignore[method-assign]
+        backend.finish_weight_update = finished  # type: ignore[method-assign]
+        backend.shutdown_weight_transfer = nothing  # type: ignore[method-assign]
+        await server.refit.update_version("v1")
+        yield server
+
+
+async def refused_guarded(core: ServerCore, why: str) -> None:
+    """A guarded rollout and Generate for the label serving are refused, retryably."""
+    for call in (
+        core.rollout(rollout("r", "v1", max_new_tokens=4)),
+        collect(core.generate(generate("g", "v1"))),
+    ):
+        with pytest.raises(WeightVersionMismatch, match=why) as refused:
+            await call
+        assert refused.value.code == grpc.StatusCode.ABORTED
+        assert str(refused.value).startswith("required_weight_version:")
+
+
+async def test_no_guarded_request_is_served_while_an_unpaused_update_is_part_way(
+    core: ServerCore,
+) -> None:
+    await core.updates.start_weight_update(pb.WeightUpdateOptions(allow_unpaused=True))
+    # Started, nothing sent yet: the weights are still v1's.
+    assert spans(await core.rollout(rollout("before", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
+    running = asyncio.ensure_future(core.rollout(rollout("running", "v1")))
+    await tokens_made(core, 1, at_least=2)
+    await core.updates.update_weights({})
+    # The one running ended at the round, with its tokens of v1 only.
+    answer = await asyncio.wait_for(running, 5)
+    assert answer.finish_reason == pb.FINISH_REASON_WEIGHT_VERSION_CHANGED
+    assert spans(answer) == [("v1", 0, len(answer.token_ids))]
+    await refused_guarded(core, r"labelled 'v1', are not one version whole: .*part way, 1 ")
+    assert (await core.rollout(rollout("free", max_new_tokens=4))).token_ids
+    await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
+    assert spans(await core.rollout(rollout("after", "v2", max_new_tokens=4))) == [("v2", 0, 4)]
+
+
+@pytest.mark.parametrize("whole", ["transfer", "path", "tensors"])
+async def test_an_update_left_after_its_rounds_keeps_the_server_paused_until_whole_weights_land(
+    core: ServerCore, model_dir: Path, whole: str
+) -> None:
+    await update_started(core)
+    await core.updates.update_weights({})
+    await core.updates.update_weights({})
+    await core.updates.shutdown_weight_transfer()  # its trainer is gone
+    mixed = MIXED.format(how="ShutdownWeightTransferEngine", rounds=2)
+    with pytest.raises(RefitRefused, match=mixed + r".*load whole weights before resuming"):
+        await core.refit.resume()
+    await refused_guarded(core, mixed)
+    # Some tensors only: still not whole.
+    some = pb.UpdateWeightsFromPathRequest(
+        path=str(model_dir), options=pb.WeightUpdateOptions(allow_partial=True)
+    )
+    await core.updates.update_from_path(some)
+    with pytest.raises(RefitRefused, match=mixed):
+        await core.refit.resume()
+    if whole == "transfer":
+        await core.updates.start_weight_update(pb.WeightUpdateOptions())
+        await core.updates.update_weights({})
+        await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest())
+    elif whole == "path":
+        await core.updates.update_from_path(from_path(model_dir))
+    else:  # every tensor of the tiny model
+        await update_from_tensors(core, aiter_of(update_requests(checkpoint_tensors(model_dir))))
+    await still_serving(core)
+    assert spans(await core.rollout(rollout("r", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
+
+
+async def test_a_finish_whose_caller_left_leaves_the_label_unset_and_the_server_paused(
+    core: ServerCore,
+) -> None:
+    release = asyncio.Event()
+
+    async def slow_finish() -> WeightLoad:
+        await release.wait()
+        return WeightLoad(0, 0)
+
+    core.backend.finish_weight_update = slow_finish  # type: ignore[method-assign]
+    await update_started(core)
+    await core.updates.update_weights({})
+    call = asyncio.ensure_future(
+        core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
+    )
+    await asyncio.sleep(0.05)
+    call.cancel()  # the trainer's process is gone
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert core.refit.version == "v1" and core.refit.transfer.update is None
+    how = "its FinishWeightUpdate failed or its caller left"
+    with pytest.raises(RefitRefused, match=MIXED.format(how=how, rounds=1)):
+        await core.refit.resume()
+
+
+@pytest.mark.parametrize("round_", ["none", "refused before the engine saw it"])
+async def test_an_update_left_before_any_round_loaded_leaves_the_weights_whole(
+    core: ServerCore, round_: str
+) -> None:
+    async def refuse(info: object) -> None:
+        raise WeightUpdateError("names a tensor the model lacks")
+
+    core.backend.update_weights = refuse  # type: ignore[method-assign]
+    await update_started(core)
+    if round_ != "none":
+        with pytest.raises(InvalidRequest, match="nothing was loaded"):
+            await core.updates.update_weights({})
+    await core.updates.shutdown_weight_transfer()
+    await still_serving(core)
+    assert spans(await core.rollout(rollout("r", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
+
+
+async def test_a_round_whose_caller_left_counts(core: ServerCore) -> None:
+    """The engine loads a round whose caller went away meanwhile: it counts."""
+    release = asyncio.Event()
+
+    async def slow_round(info: object) -> None:
+        await release.wait()
+
+    core.backend.update_weights = slow_round  # type: ignore[method-assign]
+    await update_started(core)
+    call = asyncio.ensure_future(core.updates.update_weights({}))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await core.updates.shutdown_weight_transfer()
+    with pytest.raises(
+        RefitRefused, match=MIXED.format(how="ShutdownWeightTransferEngine", rounds=1)
+    ):
+        await core.refit.resume()
+
+
+async def test_a_server_not_paused_resumes_as_before(core: ServerCore) -> None:
+    """Resume of an unpaused server is a no-op, mixed weights or not: it already serves."""
+    await core.updates.start_weight_update(pb.WeightUpdateOptions(allow_unpaused=True))
+    await core.updates.update_weights({})
+    await core.updates.shutdown_weight_transfer()
+    assert not (await core.refit.resume()).resumed
+    await paused(core)
+    with pytest.raises(RefitRefused, match="part old, part new"):
+        await core.refit.resume()
