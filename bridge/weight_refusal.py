@@ -131,7 +131,7 @@ async def refusal_for(
         async with asyncio.timeout(timeout_s):
             load = await read_state()
             if load.refit_state.weight_version == required:
-                return None  # labelled since: sent again, it runs
+                return None  # labelled since (or part way through an update): migratable
             record = await asyncio.to_thread(store.read)
     except Exception as e:  # an engine or a store that does not answer; a bad record
         log.debug("weight-version refusal of %s: passed on (%r)", request_id, e)

@@ -268,8 +268,9 @@ class RefitControl:
                     "a weight update is in progress (StartWeightUpdate without "
                     "FinishWeightUpdate): finish it before resuming, or, if its trainer "
                     "is gone, end it with ShutdownWeightTransferEngine (the gloo engine "
-                    "rolls it back; after another engine's rounds, push a whole update "
-                    "before resuming)"
+                    "rolls it back) or, where the engine refuses that during an update "
+                    "(vLLM 0.32's own engines), with FinishWeightUpdate; after rounds "
+                    "not rolled back, load whole weights before resuming"
                 )
             was_paused = self.paused is not None
             if was_paused and self.transfer.mixed is not None:

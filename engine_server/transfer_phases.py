@@ -17,9 +17,12 @@ make up the state:
   until the update finishes, and an update that ends otherwise, not rolled back
   (an engine without ``abort_weight_update``: vLLM's NCCL one; a finish whose
   caller left before the label was set), leaves them so (``mixed``) until whole
-  weights land (``RefitControl.finish_update``). Meanwhile the label does not say
-  what serves: no version-guarded request is served, and a paused server does
-  not resume.
+  weights land (``RefitControl.finish_update``); so does the finish of an update
+  orphaned meanwhile (its group released or replaced while it was open: vLLM
+  0.32's own engines refuse the release during an update). Meanwhile the label
+  does not say what serves: no version-guarded request is served, and a paused
+  server does not resume. Each step records what it did itself, in the task
+  that runs to its end whether or not its caller stays.
 - **the engine's lane** (``stuck``): free, or held by a step given up on at its
   deadline that still runs in the engine (``StuckStep``), with any teardown queued
   behind it there. While held, a new init (or a shutdown none is queued for) is
@@ -82,6 +85,10 @@ class OpenUpdate:
     # UpdateWeights rounds sent to the engine: each may have loaded, whatever its
     # caller saw (one refused before the engine saw it is taken back).
     rounds: int = 0
+    # Why its trainer's group was replaced or released while it was open, on an
+    # engine that cannot roll it back: its rounds and any later ones are no one
+    # update, so its finish ends it without a label (``drop``). None: not so.
+    orphaned: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,12 +146,14 @@ class TransferPhases:
         """The update finished: the engine holds its weights whole."""
         self.update = None
 
-    def drop(self, how: str) -> None:
+    def drop(self, how: str | None) -> None:
         """The update is over without its finish, not rolled back (``how``: the way
-        it ended): whatever its rounds loaded stays in the engine."""
+        it ended, after the way it was orphaned if it was; None: that way alone):
+        whatever its rounds loaded stays in the engine."""
         update, self.update = self.update, None
         if update is None or not update.rounds:
             return
+        how = ", then ".join(r for r in (update.orphaned, how) if r) or "ended"
         self.mixed = (
             f"a weight-transfer update ended unfinished ({how}) after {update.rounds} "
             "UpdateWeights round(s) reached the engine, which did not roll them back; the "
@@ -187,11 +196,15 @@ class TransferPhases:
         sent before it goes (its caller may leave while the engine loads it)."""
         update = self.started()
         update.rounds += 1
-        try:
-            await self.run(step, "UpdateWeights", Step.LOADING)
-        except WeightUpdateError:  # refused before the engine saw it
-            update.rounds -= 1
-            raise
+
+        async def counted() -> None:  # in the step's task: its caller may be gone
+            try:
+                await step
+            except WeightUpdateError:  # refused before the engine saw it
+                update.rounds -= 1
+                raise
+
+        await self.run(counted(), "UpdateWeights", Step.LOADING)
 
     async def shut_down(self) -> None:
         """The transfer engine released: an update its trainer left is rolled back
@@ -203,10 +216,15 @@ class TransferPhases:
             return
         self._refuse_if_stuck()
         await self.abandon("ShutdownWeightTransferEngine releases the trainer's group")
-        await self.run(
-            self._backend.shutdown_weight_transfer(), "ShutdownWeightTransferEngine", Step.TEARDOWN
-        )
-        self.drop("ShutdownWeightTransferEngine")
+
+        update = self.update  # orphaned by the abandon above (or earlier), if any
+
+        async def released() -> None:  # in the step's task: its caller may be gone
+            await self._backend.shutdown_weight_transfer()
+            if self.update is update:  # not one started since (after a deadline)
+                self.drop(None)
+
+        await self.run(released(), "ShutdownWeightTransferEngine", Step.TEARDOWN)
 
     def _refuse_if_stuck(self) -> None:
         """UNAVAILABLE at once, for a new init (or a shutdown none is queued for), while
@@ -230,13 +248,16 @@ class TransferPhases:
         gone between its calls) rolled back before the transfer engine is replaced
         or released, so the old weights serve again and the lock's next holder
         finds no update in progress. An engine that cannot roll back keeps the
-        update in progress (as before); one that fails to leaves the weights
-        unknown."""
-        if self.update is None:
+        update in progress, marked ``orphaned`` (its finish, if any, ends it
+        unlabelled); one that fails to leaves the weights unknown. The outcome is
+        recorded by the step itself, which runs to its end even when the caller
+        leaves (``to_the_end``)."""
+        update = self.update
+        if update is None:
             return
         limit = self._config.timeout_s
         try:
-            await to_the_end(self._backend.abort_weight_update(why), limit)
+            await to_the_end(self._roll_back(update, why), limit)
         except RefitUnsupported:
             return
         except Expired:
@@ -245,6 +266,14 @@ class TransferPhases:
                 f"rolling back the weight update in progress ({why}) did not end within "
                 f"the refit deadline of {limit:g} s (--refit-timeout-s)"
             ) from None
+
+    async def _roll_back(self, update: OpenUpdate, why: str) -> None:
+        try:
+            await self._backend.abort_weight_update(why)
+        except RefitUnsupported:
+            if update.orphaned is None:  # the first way it was orphaned
+                update.orphaned = why
+            raise
         except EngineFailed as e:  # the engine's own account of what it could not undo
             self.update = None
             raise self._break(str(e)) from e
@@ -253,7 +282,8 @@ class TransferPhases:
             raise self._break(
                 f"rolling back the weight update in progress ({why}) failed ({clip(e, 300)})"
             ) from e
-        self.update = None
+        if self.update is update:  # not one started since (after a deadline)
+            self.update = None
         log.warning(
             "the weight update in progress was abandoned (%s) and rolled back: the old "
             "weights serve",
@@ -309,9 +339,9 @@ class TransferPhases:
             else:  # the teardown itself: whatever it left, no update is in progress
                 self.drop(f"{phase} given up on at its deadline")
                 self.stuck = StuckStep(phase, time.monotonic(), task, True)
-            raise RefitTimedOut(
-                f"{late}; nothing was loaded, the old weights still serve"
-            ) from None
+            mixed = self.mixed_weights()
+            whole = f"; {mixed}" if mixed is not None else ", the old weights still serve"
+            raise RefitTimedOut(f"{late}; nothing was loaded{whole}") from None
 
     async def _tear_down(self, stuck: asyncio.Future[Any], phase: str) -> str:
         """Best effort, bounded by the check deadline: tearing down is not loading.

@@ -10,7 +10,12 @@ no-op, and the base backend's refusal to roll back).
   weights land: a finished transfer update, or a path or tensor update that names
   every tensor (not ``allow_partial``).
 - An update left before any round reached the engine, or whose only round was
-  refused before the engine saw it, leaves the weights whole.
+  refused before the engine saw it (its caller gone or not), leaves the weights whole.
+- Where the engine refuses to release a group during an update (vLLM 0.32's own
+  engines), the finish of an update whose group was released or replaced
+  meanwhile sets no label.
+- What a step did is recorded though its caller left (a rollback, a round), and a
+  release that ends after its deadline leaves an update started since alone.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from engine_contract.v1 import engine_pb2 as pb
 from engine_server.backends.refit import WeightLoad, WeightUpdateError
 from engine_server.config import RefitConfig
 from engine_server.core import ServerCore
-from engine_server.errors import InvalidRequest, RefitRefused, WeightVersionMismatch
+from engine_server.errors import (
+    InvalidRequest,
+    RefitRefused,
+    RefitTimedOut,
+    WeightVersionMismatch,
+)
 from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import checkpoint_tensors
 from tests.unit.test_refit_control import (
@@ -44,6 +54,7 @@ from tests.unit.test_weight_guard import collect, generate, rollout, spans, toke
 pytestmark = pytest.mark.timeout(60)
 
 MIXED = r"ended unfinished \({how}\) after {rounds} UpdateWeights round\(s\) reached the engine"
+RELEASED = "ShutdownWeightTransferEngine releases the trainer's group"
 
 
 async def finished() -> WeightLoad:
@@ -104,7 +115,7 @@ async def test_an_update_left_after_its_rounds_keeps_the_server_paused_until_who
     await core.updates.update_weights({})
     await core.updates.update_weights({})
     await core.updates.shutdown_weight_transfer()  # its trainer is gone
-    mixed = MIXED.format(how="ShutdownWeightTransferEngine", rounds=2)
+    mixed = MIXED.format(how=RELEASED, rounds=2)
     with pytest.raises(RefitRefused, match=mixed + r".*load whole weights before resuming"):
         await core.refit.resume()
     await refused_guarded(core, mixed)
@@ -186,9 +197,7 @@ async def test_a_round_whose_caller_left_counts(core: ServerCore) -> None:
     with pytest.raises(asyncio.CancelledError):
         await call
     await core.updates.shutdown_weight_transfer()
-    with pytest.raises(
-        RefitRefused, match=MIXED.format(how="ShutdownWeightTransferEngine", rounds=1)
-    ):
+    with pytest.raises(RefitRefused, match=MIXED.format(how=RELEASED, rounds=1)):
         await core.refit.resume()
 
 
@@ -201,3 +210,110 @@ async def test_a_server_not_paused_resumes_as_before(core: ServerCore) -> None:
     await paused(core)
     with pytest.raises(RefitRefused, match="part old, part new"):
         await core.refit.resume()
+
+
+async def test_a_finish_after_the_group_was_replaced_or_refused_release_sets_no_label(
+    core: ServerCore,
+) -> None:
+    """vLLM 0.32's own engines refuse to release a group during an update, so a
+    trainer gone mid-update leaves a FinishWeightUpdate the only way out: after a
+    shutdown or a new init found the update open (orphaned), that finish ends the
+    engine's update but sets no label, and the weights are mixed."""
+
+    async def refuse_release() -> None:
+        raise RuntimeError("Cannot release a trainer connection during a weight update")
+
+    core.backend.shutdown_weight_transfer = refuse_release  # type: ignore[method-assign]
+    await update_started(core)
+    await core.updates.update_weights({})
+    with pytest.raises(RuntimeError, match="during a weight update"):
+        await core.updates.shutdown_weight_transfer()
+    await core.updates.init_weight_transfer({})  # a new trainer's group: still open
+    with pytest.raises(RefitRefused, match=r"in progress.*FinishWeightUpdate"):
+        await core.refit.resume()
+    with pytest.raises(RefitRefused, match=f"but {RELEASED} while it was open.*label is not set"):
+        await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
+    assert core.refit.version == "v1" and core.refit.transfer.update is None
+    how = f"{RELEASED}, then its FinishWeightUpdate failed or its caller left"
+    with pytest.raises(RefitRefused, match=MIXED.format(how=how, rounds=1)):
+        await core.refit.resume()
+    # The new trainer's whole update.
+    await core.updates.start_weight_update(pb.WeightUpdateOptions())
+    await core.updates.update_weights({})
+    await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
+    await still_serving(core)
+    assert spans(await core.rollout(rollout("r", "v2", max_new_tokens=4))) == [("v2", 0, 4)]
+
+
+async def test_a_refused_round_whose_caller_left_does_not_count(core: ServerCore) -> None:
+    release = asyncio.Event()
+
+    async def refuse_late(info: object) -> None:
+        await release.wait()
+        raise WeightUpdateError("names a tensor the model lacks")
+
+    core.backend.update_weights = refuse_late  # type: ignore[method-assign]
+    await update_started(core)
+    call = asyncio.ensure_future(core.updates.update_weights({}))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await core.updates.shutdown_weight_transfer()
+    await still_serving(core)
+
+
+async def test_a_rollback_whose_caller_left_still_ends_the_update(core: ServerCore) -> None:
+    """The gloo engine's way: the shutdown's caller leaves while the engine rolls
+    back; the update is over all the same, and the old weights serve."""
+    release = asyncio.Event()
+
+    async def roll_back(why: str) -> None:
+        await release.wait()
+
+    core.backend.abort_weight_update = roll_back  # type: ignore[method-assign]
+    await update_started(core)
+    await core.updates.update_weights({})
+    call = asyncio.ensure_future(core.updates.shutdown_weight_transfer())
+    await asyncio.sleep(0.05)
+    call.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert core.refit.transfer.update is None
+    await still_serving(core)
+    assert spans(await core.rollout(rollout("r", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
+
+
+async def test_a_release_past_its_deadline_says_the_weights_are_mixed(model_dir: Path) -> None:
+    async with sim_core(RefitConfig(check_timeout_s=0.3, timeout_s=0.3), model=model_dir) as core:
+        core.backend.start_weight_update = nothing  # type: ignore[method-assign]
+        core.backend.update_weights = nothing  # type: ignore[method-assign]
+
+        async def hang() -> None:
+            await asyncio.Event().wait()
+
+        core.backend.shutdown_weight_transfer = hang  # type: ignore[method-assign]
+        await update_started(core)
+        await core.updates.update_weights({})
+        with pytest.raises(RefitTimedOut, match=r"nothing was loaded; .*part old, part new"):
+            await core.updates.shutdown_weight_transfer()
+
+
+async def test_a_release_that_ends_late_leaves_an_update_started_since(model_dir: Path) -> None:
+    async with sim_core(RefitConfig(check_timeout_s=0.3, timeout_s=0.3), model=model_dir) as core:
+        core.backend.start_weight_update = nothing  # type: ignore[method-assign]
+        release = asyncio.Event()
+
+        async def slow_release() -> None:
+            await release.wait()
+
+        core.backend.shutdown_weight_transfer = slow_release  # type: ignore[method-assign]
+        await paused(core)
+        with pytest.raises(RefitTimedOut):
+            await core.updates.shutdown_weight_transfer()
+        await core.updates.start_weight_update(pb.WeightUpdateOptions())
+        release.set()
+        await asyncio.sleep(0.05)
+        assert core.refit.transfer.update is not None  # still the new one's
