@@ -153,7 +153,7 @@ class TransferPhases:
         update, self.update = self.update, None
         if update is None or not update.rounds:
             return
-        how = ", then ".join(r for r in (update.orphaned, how) if r) or "ended"
+        how = ", then ".join(r for r in (update.orphaned, how) if r) or "without a reason"
         self.mixed = (
             f"a weight-transfer update ended unfinished ({how}) after {update.rounds} "
             "UpdateWeights round(s) reached the engine, which did not roll them back; the "
@@ -272,13 +272,17 @@ class TransferPhases:
             await self._backend.abort_weight_update(why)
         except RefitUnsupported:
             if update.orphaned is None:  # the first way it was orphaned
-                update.orphaned = why
+                update.orphaned = (
+                    f"a release or replacement of its trainer's group was asked while it "
+                    f"was open ({why})"
+                )
             raise
-        except EngineFailed as e:  # the engine's own account of what it could not undo
-            self.update = None
-            raise self._break(str(e)) from e
         except Exception as e:
+            if self.update is not update:  # given up on at the deadline: broken already
+                raise
             self.update = None
+            if isinstance(e, EngineFailed):  # the engine's account of what it could not undo
+                raise self._break(str(e)) from e
             raise self._break(
                 f"rolling back the weight update in progress ({why}) failed ({clip(e, 300)})"
             ) from e
@@ -340,8 +344,11 @@ class TransferPhases:
                 self.drop(f"{phase} given up on at its deadline")
                 self.stuck = StuckStep(phase, time.monotonic(), task, True)
             mixed = self.mixed_weights()
-            whole = f"; {mixed}" if mixed is not None else ", the old weights still serve"
-            raise RefitTimedOut(f"{late}; nothing was loaded{whole}") from None
+            if mixed is not None:
+                raise RefitTimedOut(f"{late}; it loaded nothing, but {mixed}") from None
+            raise RefitTimedOut(
+                f"{late}; nothing was loaded, the old weights still serve"
+            ) from None
 
     async def _tear_down(self, stuck: asyncio.Future[Any], phase: str) -> str:
         """Best effort, bounded by the check deadline: tearing down is not loading.

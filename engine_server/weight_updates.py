@@ -236,19 +236,25 @@ class WeightUpdates:
                     self._config.timeout_s,
                     begun_here=False,  # counted at StartWeightUpdate, loaded since
                 )
-                if update.orphaned is not None:
-                    raise RefitRefused(
-                        f"FinishWeightUpdate ended the engine's update, but {update.orphaned} "
-                        "while it was open, on an engine that cannot roll it back: its "
-                        "rounds are no one update, so its label is not set; load whole "
-                        "weights (a new update to its finish, or a checkpoint) before "
-                        "resuming"
-                    )
-                result = await refit.finish_update(options, load, update.reset, update.started)
+                if update.orphaned is None:
+                    result = await refit.finish_update(options, load, update.reset, update.started)
             except BaseException:
                 # Loaded or not, its label is not set: the rounds stay as they are.
                 refit.transfer.drop("its FinishWeightUpdate failed or its caller left")
                 raise
+            if update.orphaned is not None:
+                refit.transfer.drop("its FinishWeightUpdate, which set no label")
+                left = (
+                    "load whole weights (a new update to its finish, or a checkpoint) "
+                    "before resuming"
+                    if update.rounds
+                    else "no round of it reached the engine: the old weights still serve"
+                )
+                raise RefitRefused(
+                    f"FinishWeightUpdate ended the engine's update, but {update.orphaned}, on "
+                    "an engine that cannot roll it back: its rounds are no one update, so "
+                    f"its label is not set; {left}"
+                )
             refit.transfer.close()
             return pb.FinishWeightUpdateResponse(result=result)
 
