@@ -184,12 +184,18 @@ async def test_an_update_left_before_any_round_loaded_leaves_the_weights_whole(
     assert spans(await core.rollout(rollout("r", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
 
 
-async def test_a_round_whose_caller_left_counts(core: ServerCore) -> None:
-    """The engine loads a round whose caller went away meanwhile: it counts."""
+@pytest.mark.parametrize("refused", [False, True], ids=["loaded", "refused"])
+async def test_a_round_whose_caller_left_counts_unless_refused(
+    core: ServerCore, refused: bool
+) -> None:
+    """The engine ends a round whose caller went away meanwhile: one it loaded
+    counts; one refused before the engine saw it does not."""
     release = asyncio.Event()
 
     async def slow_round(info: object) -> None:
         await release.wait()
+        if refused:
+            raise WeightUpdateError("names a tensor the model lacks")
 
     core.backend.update_weights = slow_round  # type: ignore[method-assign]
     await update_started(core)
@@ -200,8 +206,11 @@ async def test_a_round_whose_caller_left_counts(core: ServerCore) -> None:
     with pytest.raises(asyncio.CancelledError):
         await call
     await core.updates.shutdown_weight_transfer()
-    with pytest.raises(RefitRefused, match=MIXED.format(how=RELEASED, rounds=1)):
-        await core.refit.resume()
+    if refused:
+        await still_serving(core)
+    else:
+        with pytest.raises(RefitRefused, match=MIXED.format(how=RELEASED, rounds=1)):
+            await core.refit.resume()
 
 
 async def test_a_server_not_paused_resumes_as_before(core: ServerCore) -> None:
@@ -248,25 +257,6 @@ async def test_a_finish_after_the_group_was_replaced_or_refused_release_sets_no_
     await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
     await still_serving(core)
     assert spans(await core.rollout(rollout("r", "v2", max_new_tokens=4))) == [("v2", 0, 4)]
-
-
-async def test_a_refused_round_whose_caller_left_does_not_count(core: ServerCore) -> None:
-    release = asyncio.Event()
-
-    async def refuse_late(info: object) -> None:
-        await release.wait()
-        raise WeightUpdateError("names a tensor the model lacks")
-
-    core.backend.update_weights = refuse_late  # type: ignore[method-assign]
-    await update_started(core)
-    call = asyncio.ensure_future(core.updates.update_weights({}))
-    await asyncio.sleep(0.05)
-    call.cancel()
-    release.set()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-    await core.updates.shutdown_weight_transfer()
-    await still_serving(core)
 
 
 async def test_a_rollback_whose_caller_left_still_ends_the_update(core: ServerCore) -> None:
