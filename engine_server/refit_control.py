@@ -370,7 +370,7 @@ class RefitControl:
         if options.HasField("weight_version"):
             await self._set_version(options.weight_version)
         if not options.allow_partial:
-            self.transfer.mixed = None
+            self.transfer.whole()
         return pb.WeightUpdateResult(
             weight_version=self._version,
             cache_cleared=reset,

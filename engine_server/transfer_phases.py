@@ -17,12 +17,12 @@ make up the state:
   until the update finishes, and an update that ends otherwise, not rolled back
   (an engine without ``abort_weight_update``: vLLM's NCCL one; a finish whose
   caller left before the label was set), leaves them so (``mixed``) until whole
-  weights land (``RefitControl.finish_update``); so does the finish of an update
-  orphaned meanwhile (its group released or replaced while it was open: vLLM
-  0.32's own engines refuse the release during an update). Meanwhile the label
-  does not say what serves: no version-guarded request is served, and a paused
-  server does not resume. Each step records what it did itself, in the task
-  that runs to its end whether or not its caller stays.
+  weights land (``whole``, from ``RefitControl.finish_update``); so does the
+  finish of an update orphaned meanwhile (its group released or replaced while it
+  was open: vLLM 0.32's own engines refuse the release during an update).
+  Meanwhile the label does not say what serves: no version-guarded request is
+  served, and a paused server does not resume. Each step records what it did
+  itself, in the task that runs to its end whether or not its caller stays.
 - **the engine's lane** (``stuck``): free, or held by a step given up on at its
   deadline that still runs in the engine (``StuckStep``), with any teardown queued
   behind it there. While held, a new init (or a shutdown none is queued for) is
@@ -160,6 +160,10 @@ class TransferPhases:
             "weights are part old, part new, or new under the old label"
         )
         log.warning("%s", self.mixed)
+
+    def whole(self) -> None:
+        """Whole weights landed (an update that named every tensor): mixed no more."""
+        self.mixed = None
 
     def mixed_weights(self) -> str | None:
         """Why the weights serving are not the ones their label names, or None."""
