@@ -138,21 +138,30 @@ lint: $(STAMP)
 # pytest runs, all always run: the e2e suite on two workers, a file per worker
 # (pytest-xdist); the other suites the same way (the conformance folder one unit:
 # tests/conftest.py), but for the files marked `serial` (wall-clock bounds measured
-# on an idle machine), which run alone after them; then the version-specific suites
-# at the low end of the range, in order (docs/testing.md).
+# on an idle machine); then the version-specific suites at the low end of the range,
+# in order, beside two of those files (PAIRED_SERIAL); then the other `serial` files
+# alone (docs/testing.md).
 # Each run ends with its slowest phases (a test's set-up, call and teardown apart:
 # a shared engine's start-up shows as its first test's set-up), for where the time goes.
 DURATIONS := --durations=15 --durations-min=5
 TWO_WORKERS := -n 2 --dist loadfile
 TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
+# The two `serial` files that both ends run, vLLM in processes of their own through
+# NeMo RL's refit and readiness: their bounds are a second or more wide and hold with
+# the low end's run beside them, itself the same two files and light ones (measured:
+# docs/testing.md). They run beside it; the other `serial` files alone, last.
+PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test_cluster_nemo_rl_replay.py
 
 test:
 	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
-	@rc=0; \
+	@rc=0; low=$$(mktemp -d); \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e || rc=1; \
-	$(PY) -m pytest -q $(DURATIONS) -m serial --ignore=tests/e2e || rc=1; \
-	$(LOW_PY) -m pytest -q $(DURATIONS) $(LOW_SUITES) || rc=1; \
+	{ $(LOW_PY) -m pytest -q $(DURATIONS) $(LOW_SUITES) > $$low/out 2>&1; echo $$? > $$low/rc; } & \
+	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \
+	wait; echo "the low end (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM)), run beside the above:"; \
+	cat $$low/out; [ "$$(cat $$low/rc 2>/dev/null)" = 0 ] || rc=1; rm -rf $$low; \
+	$(PY) -m pytest -q $(DURATIONS) -m serial --ignore=tests/e2e $(PAIRED_SERIAL:%=--ignore=%) || rc=1; \
 	exit $$rc
 
 # The low end alone (ai-dynamo 1.3.0.post1, vLLM 0.23.0).
