@@ -4,9 +4,8 @@ Dynamo's requests carry it in two places, read as dynamo.vllm reads them: the
 client's ``nvext.cache_salt`` (completions, chat, rollouts; Dynamo's
 preprocessor passes nvext on in ``extra_args.nvext``) and, for vLLM's
 ``/inference/v1/generate``, the token-in/token-out envelope's ``cache_salt``.
-An empty salt is none. The salt goes only to an engine server that honours it:
-an older one would ignore it and share cached blocks the client wanted kept
-apart, so such a request is refused by name instead.
+An empty salt is none. Every engine server the bridge accepts honours it (the
+supported revisions, docs/contract.md).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from bridge.codec import RequestError, nvext_sources
-from engine_contract import CACHE_SALT_REVISION
 from engine_contract.labels import label_problem
 from engine_contract.text import clip
 from engine_contract.v1 import engine_pb2 as pb
@@ -39,13 +37,7 @@ def requested(request: Mapping[str, Any], envelope: Mapping[str, Any] | None) ->
     return None
 
 
-def apply(message: pb.RolloutRequest | pb.GenerateRequest, salt: str | None, revision: int) -> None:
-    """Put ``salt`` on the engine request, for a server of contract ``revision``."""
-    if salt is None:
-        return
-    if revision < CACHE_SALT_REVISION:
-        raise RequestError(
-            f"cache_salt: needs an engine server of contract revision {CACHE_SALT_REVISION} "
-            f"or later; this one implements {revision}"
-        )
-    message.cache_salt = salt
+def apply(message: pb.RolloutRequest | pb.GenerateRequest, salt: str | None) -> None:
+    """Put ``salt`` on the engine request."""
+    if salt is not None:
+        message.cache_salt = salt

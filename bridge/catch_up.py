@@ -8,7 +8,9 @@ after every engine server restart, the bridge reads that record and decides
 (``decide``):
 
 - no record (no fleet refit committed yet, or catch-up off): register as ever;
-- the engine serves the committed version already: register;
+- the engine serves the committed version already, whole: register;
+- a weight-transfer update is part way on the engine (contract revision 12):
+  stay out of discovery until its writer ends it, then decide again;
 - the committed weights are a checkpoint: the bridge loads it itself
   (``UpdateWeightsFromPath`` labelled with the committed version), resumes the
   engine, then registers;
@@ -106,10 +108,22 @@ def decide(record: CommittedRecord | None, state: pb.RefitState) -> Decision:
     if record is None:
         return Decision(Action.REGISTER, None, "no committed weights are published")
     weights = record.weights
-    serving = repr(state.weight_version) + ("" if state.weight_version_declared else " (initial)")
+    if state.weights_mixed and state.weight_update_open:
+        # Loading over it would leave its writer's later rounds on our weights.
+        return Decision(
+            Action.WAIT,
+            weights,
+            f"the engine's weights are not one version whole ({state.weights_mixed}); "
+            "waiting for the update's writer to end it",
+        )
+    # Else an update ended unfinished, not rolled back: the label names none of it.
+    whole = not state.weights_mixed
     # An initial label is the engine's start checkpoint, whatever it reads.
-    if state.weight_version_declared and state.weight_version == weights.version:
+    if whole and state.weight_version_declared and state.weight_version == weights.version:
         return Decision(Action.CURRENT, weights, f"the engine serves {weights.version!r}")
+    serving = repr(state.weight_version) + ("" if state.weight_version_declared else " (initial)")
+    if not whole:
+        serving += f", not whole ({state.weights_mixed})"
     if state.sleeping:
         return Decision(
             Action.WAIT,

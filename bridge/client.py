@@ -142,8 +142,6 @@ class EngineClient:
         # The refit cycle's RPCs, typed. No deadline: a WAIT pause lasts until the
         # requests in flight finish, and a large checkpoint takes its time to load.
         self.refit = RefitRpc(self._stub)
-        # The engine server's contract revision, once read (0: not yet).
-        self.server_revision = 0
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._rollouts = RolloutMux(
             lambda: self._stub.Rollouts(wait_for_ready=False), self.options.max_message_bytes
@@ -161,7 +159,6 @@ class EngineClient:
         """Keep the rollouts and completions streams within the server's announced
         limits: message size, starts per message, requests on a stream; pace
         completions unless the options say not to (``paced_generates``)."""
-        self.server_revision = info.contract_revision
         self._generates.paced = self.options.paced_generates
         limits = info.limits
         for mux in (self._rollouts, self._generates):

@@ -169,7 +169,7 @@ class RequestRunner:
         """One Rollout: the whole answer in one chunk."""
         link = self.link
         message = codec.build_rollout_request(entry.request_id, request, spec)
-        cache_salt.apply(message, cache_salt.requested(request, None), client.server_revision)
+        cache_salt.apply(message, cache_salt.requested(request, None))
         rank = self._routed_rank(request)
         if rank is not None:
             message.data_parallel_rank = rank
@@ -250,7 +250,7 @@ class RequestRunner:
             if plan is not None
             else codec.build_generate_request(entry.request_id, request)
         )
-        cache_salt.apply(message, cache_salt.requested(request, envelope), client.server_revision)
+        cache_salt.apply(message, cache_salt.requested(request, envelope))
         trace = (
             codec.TokenTrace(message.prompt_token_ids)
             if plan is None and codec.engine_data_requested(request)

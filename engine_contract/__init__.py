@@ -59,18 +59,21 @@ this file and ``v1/__init__.py`` are written by hand.
 #      a prefix-cache namespace of their own (vLLM's cache_salt; outputs
 #      unchanged), and BlockStored.cache_salt names the salted chain an event
 #      extends, for the router. Clients send it only to servers of
-#      CACHE_SALT_REVISION or later (an older server ignores it).
-CONTRACT_REVISION = 11
-MINIMUM_CLIENT_REVISION = 10
-MINIMUM_SERVER_REVISION = 10
-# The first server revision that honours GenerateRequest.cache_salt: a
-# revision-10 server, inside the window, lacks it.
-CACHE_SALT_REVISION = 11
+#      revision 11 or later (an older server ignores it).
+#  12  Weights part way: RefitState.weights_mixed (and GetWeightVersionResponse's)
+#      says why the weights serving are not the ones their label names (a
+#      weight-transfer update part way, or one ended unfinished without rollback),
+#      and weight_update_open whether an update is open, so that a fleet's keeper
+#      and a bridge's catch-up load whole weights on a worker whose label alone
+#      looks current, and leave an open update to its writer (a revision-11
+#      server leaves both unset: it said nothing of either).
+CONTRACT_REVISION = 12
+MINIMUM_CLIENT_REVISION = 11
+MINIMUM_SERVER_REVISION = 11
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
 __all__ = [
-    "CACHE_SALT_REVISION",
     "CONTRACT_REVISION",
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",

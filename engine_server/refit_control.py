@@ -149,6 +149,8 @@ class RefitControl:
             weight_version=self._version,
             weight_version_declared=self.version_declared,
             weight_changes=self.weight_changes,
+            weights_mixed=self.transfer.mixed_weights() or "",
+            weight_update_open=self.transfer.update is not None,
         )
 
     def _fence(self, expect: int | None) -> None:

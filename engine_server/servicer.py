@@ -274,11 +274,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def GetWeightVersion(
         self, request: pb.GetWeightVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetWeightVersionResponse:
-        refit = self._core.refit
+        state = self._core.refit.state()
         return pb.GetWeightVersionResponse(
-            weight_version=refit.version,
-            declared=refit.version_declared,
-            weight_changes=refit.weight_changes,
+            weight_version=state.weight_version,
+            declared=state.weight_version_declared,
+            weight_changes=state.weight_changes,
+            weights_mixed=state.weights_mixed,
+            weight_update_open=state.weight_update_open,
         )
 
     @refit_rpc

@@ -189,15 +189,20 @@ def refit_state(
     *,
     paused: bool = False,
     sleeping: bool = False,
+    mixed: str = "",
+    update_open: bool = False,
 ) -> pb.RefitState:
     """The refit state an engine server reports (in its info and its load), for
     fakes and the rules judged on it: serving ``version``, ``declared`` when a
-    refit set it (else the start checkpoint's label), paused or asleep."""
+    refit set it (else the start checkpoint's label), paused or asleep, its
+    weights not whole (``mixed``: why) and a weight-transfer update open."""
     return pb.RefitState(
         weight_version=version,
         weight_version_declared=declared,
         paused=paused,
         sleeping=sleeping,
+        weights_mixed=mixed,
+        weight_update_open=update_open,
     )
 
 

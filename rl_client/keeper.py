@@ -8,7 +8,10 @@ router's pool until it serves the fleet's committed weights
 weights the trainer pushed (streamed from its memory, on no disk) only the
 trainer can send again. That is this keeper's job: it asks every engine server
 for its weight version (a bounded poll, on channels of its own) and pushes the
-committed weights to one that lags with ``EngineRefitClient.restore``, under
+committed weights to one that lags with ``EngineRefitClient.restore`` (one on
+another version, or on weights an update left part old, part new when it ended
+unfinished: ``weights_mixed``, contract revision 12; one whose update is part way
+is left to that update's writer), under
 the same lock as the step's refits, so that a push never interleaves with one
 and is checked again after a refit that ran meanwhile.
 
@@ -116,7 +119,10 @@ class WeightKeeper:
             serving = await self._probes[address].get_weight_version()
         except grpc.aio.AioRpcError:
             return False  # down, or starting: asked again on the next tick
-        return not (serving.declared and serving.weight_version == version)
+        if serving.weights_mixed and serving.weight_update_open:
+            return False  # part way through its writer's update: left to it
+        current = serving.declared and serving.weight_version == version
+        return not current or bool(serving.weights_mixed)
 
     async def _push(self, address: str) -> str | None:
         started = time.monotonic()

@@ -466,13 +466,17 @@ class EngineRefitClient(_FleetClient):
 
     async def restore(self, worker: str, *, mode: str = "abort") -> bool:
         """Put one engine server that lags the fleet (restarted: it serves its start
-        weights) back on the committed weights: pause (``mode``: what it runs now
-        runs on other weights), load, label, resume. Under the lock every refit of
-        this client takes and the fleet's lease (with a store), so it never
-        interleaves with a refit of this trainer or another, and checked again
-        there: False when the engine serves the committed version already (a refit
-        brought it there meanwhile). ValueError when nothing is committed, or the
-        committed weights cannot be sent again (``CommittedWeights.resendable``)."""
+        weights; or left part old, part new by an update that ended unfinished:
+        ``weights_mixed``, contract revision 12) back on the committed weights:
+        pause (``mode``: what it runs now runs on other weights), load, label,
+        resume. Under the lock every refit of this client takes and the fleet's
+        lease (with a store), so it never interleaves with a refit of this trainer
+        or another, and checked again there: False when the engine serves the
+        committed version already, whole (a refit brought it there meanwhile).
+        ValueError when nothing is committed, the committed weights cannot be sent
+        again (``CommittedWeights.resendable``), or a weight-transfer update is part
+        way on the engine (loading over it would leave its writer's later rounds on
+        the weights: its writer ends it)."""
         async with self._one_at_a_time, self._leased():  # one writer per fleet
             committed = self.committed
             if committed is None or not committed.resendable:
@@ -483,7 +487,15 @@ class EngineRefitClient(_FleetClient):
             engine, limits = self._engines[worker], self.deadlines
             async with asyncio.timeout(limits.control_s):
                 serving = await engine.get_weight_version()
-            if serving.declared and serving.weight_version == committed.version:
+            if serving.weights_mixed and serving.weight_update_open:
+                raise ValueError(
+                    f"engine server {worker}: its weights are not one version whole "
+                    f"({serving.weights_mixed}); restoring over the open update would "
+                    "leave its writer's later rounds on them: end it first "
+                    "(FinishWeightUpdate or ShutdownWeightTransferEngine)"
+                )
+            current = serving.declared and serving.weight_version == committed.version
+            if current and not serving.weights_mixed:
                 return False
             async with asyncio.timeout(limits.pause_s):
                 await self._pause(worker, mode, clear_cache=True)

@@ -141,20 +141,24 @@ class RlCapabilities(_message.Message):
     def __init__(self, pause: _Optional[bool] = ..., update_from_path: _Optional[bool] = ..., update_from_tensors: _Optional[bool] = ..., weight_transfer_backend: _Optional[str] = ..., sleep: _Optional[bool] = ...) -> None: ...
 
 class RefitState(_message.Message):
-    __slots__ = ("paused", "pause_mode", "sleeping", "weight_version", "weight_version_declared", "weight_changes")
+    __slots__ = ("paused", "pause_mode", "sleeping", "weight_version", "weight_version_declared", "weight_changes", "weights_mixed", "weight_update_open")
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_DECLARED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MIXED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATE_OPEN_FIELD_NUMBER: _ClassVar[int]
     paused: bool
     pause_mode: PauseMode
     sleeping: bool
     weight_version: str
     weight_version_declared: bool
     weight_changes: int
-    def __init__(self, paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., sleeping: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weight_version_declared: _Optional[bool] = ..., weight_changes: _Optional[int] = ...) -> None: ...
+    weights_mixed: str
+    weight_update_open: bool
+    def __init__(self, paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., sleeping: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weight_version_declared: _Optional[bool] = ..., weight_changes: _Optional[int] = ..., weights_mixed: _Optional[str] = ..., weight_update_open: _Optional[bool] = ...) -> None: ...
 
 class EngineConfig(_message.Message):
     __slots__ = ("context_length", "kv_block_size", "total_kv_blocks", "max_running_sequences", "max_batched_tokens", "data_parallel_size", "data_parallel_start_rank")
@@ -833,14 +837,18 @@ class GetWeightVersionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWeightVersionResponse(_message.Message):
-    __slots__ = ("weight_version", "declared", "weight_changes")
+    __slots__ = ("weight_version", "declared", "weight_changes", "weights_mixed", "weight_update_open")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MIXED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATE_OPEN_FIELD_NUMBER: _ClassVar[int]
     weight_version: str
     declared: bool
     weight_changes: int
-    def __init__(self, weight_version: _Optional[str] = ..., declared: _Optional[bool] = ..., weight_changes: _Optional[int] = ...) -> None: ...
+    weights_mixed: str
+    weight_update_open: bool
+    def __init__(self, weight_version: _Optional[str] = ..., declared: _Optional[bool] = ..., weight_changes: _Optional[int] = ..., weights_mixed: _Optional[str] = ..., weight_update_open: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("weight_version", "expect_weight_changes")

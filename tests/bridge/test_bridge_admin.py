@@ -24,7 +24,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-import engine_contract
 from bridge.admin import system_server
 from bridge.admin.auth import exposure_warning, is_loopback
 from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
@@ -412,7 +411,6 @@ class FakeClient:
     records every RPC by name."""
 
     address = "fake:1"
-    server_revision = engine_contract.CONTRACT_REVISION
 
     def __init__(self, paused: bool = True) -> None:
         self.rpcs: list[str] = []

@@ -1,7 +1,6 @@
 """A request's cache salt (contract revision 11): read where dynamo.vllm reads it
-(the token-in/token-out envelope, the client's nvext), checked, carried to the
-engine server on every kind of request, and refused by name toward a server that
-would ignore it."""
+(the token-in/token-out envelope, the client's nvext), checked, and carried to the
+engine server on every kind of request."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from dynamo.llm.exceptions import InvalidArgument
 
 from bridge import cache_salt
 from bridge.codec import RequestError
-from engine_contract import CACHE_SALT_REVISION
-from engine_contract.v1 import engine_pb2 as pb
-from tests.bridge.bridge_fakes import FakeEngine, FakeServer
+from tests.bridge.bridge_fakes import FakeServer
 from tests.bridge.test_bridge_engine import bridge_for, collect
 from tests.bridge.test_bridge_tito import tito_request
 
@@ -55,16 +52,6 @@ def test_a_bad_salt_is_refused_by_name(
     assert str(e.value).startswith(message), str(e.value)
 
 
-def test_a_server_that_would_ignore_the_salt_is_not_sent_it() -> None:
-    message = pb.GenerateRequest()
-    cache_salt.apply(message, None, CACHE_SALT_REVISION - 1)  # no salt: nothing to refuse
-    with pytest.raises(RequestError, match=r"^cache_salt: needs an engine server of contract"):
-        cache_salt.apply(message, "a", CACHE_SALT_REVISION - 1)
-    assert not message.HasField("cache_salt")
-    cache_salt.apply(message, "a", CACHE_SALT_REVISION)
-    assert message.cache_salt == "a"
-
-
 ROLLOUT = {"token_ids": [5, 6, 7], "annotations": ['rollout:{"greedy":true}']}
 COMPLETION = {"token_ids": [5, 6, 7], "stop_conditions": {"max_tokens": 2}}
 
@@ -87,21 +74,5 @@ async def test_every_kind_of_request_carries_its_salt_to_the_engine() -> None:
                 bad = {"nvext": {"cache_salt": "a\x00"}}
                 await collect(engine, {**COMPLETION, **bad}, Context(id="5"))
             assert len(generates) == 3  # refused before the engine
-        finally:
-            await engine.cleanup()
-
-
-async def test_toward_an_older_server_a_salted_request_is_a_400_and_others_run() -> None:
-    async with FakeServer(FakeEngine(contract_revision=CACHE_SALT_REVISION - 1)) as server:
-        engine = bridge_for(server.address)
-        try:
-            await engine.start(worker_id=1)
-            with pytest.raises(InvalidArgument, match=r"^cache_salt: needs an engine server"):
-                await collect(
-                    engine, tito_request({"max_tokens": 2}, cache_salt="t"), Context(id="1")
-                )
-            chunks = await collect(engine, COMPLETION, Context(id="2"))
-            assert chunks[-1]["finish_reason"] in ("length", "stop")
-            assert len(server.engine.generates) == 1
         finally:
             await engine.cleanup()

@@ -20,7 +20,6 @@ import aiohttp
 import grpc
 import pytest
 
-import engine_contract
 from bridge.admin.answers import ErrorKind, error_kind
 from bridge.admin.rl_admin import RlAdmin
 from bridge.admin.surface import AdminSurface
@@ -41,7 +40,6 @@ class Engine:
     """The engine client RlAdmin calls, keeping the engine server's refit rules."""
 
     address: str = "fake:1"
-    server_revision: int = engine_contract.CONTRACT_REVISION
     paused: bool = False
     sleeping: bool = False
     version: str = "default"

@@ -1,7 +1,8 @@
 """The trainer's keeper (``rl_client/keeper.py``): an engine server that restarts
 after a refit pushed the fleet's weights gets them pushed again, under the lock the
-refits take. Two sim engine servers in this process (real gRPC), one restarted on
-its address (``--start-paused``, as a training fleet runs them)."""
+refits take, and so does one whose weights an unfinished update left mixed under the
+committed label. Two sim engine servers in this process (real gRPC), one restarted
+on its address (``--start-paused``, as a training fleet runs them)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,52 @@ async def test_a_push_waits_for_the_refit_in_progress_and_is_checked_again(
         assert pair.state(1).weight_version == "2" and keeper.pushes == 0
     finally:
         pair.backends[0].hold.set()
+        await keeper.close()
+
+
+async def nothing(*args: object) -> None:
+    """A transfer engine's step that does nothing (the sim has no transfer engine)."""
+
+
+async def test_weights_an_unfinished_update_left_mixed_are_pushed_whole_again(
+    pair: Pair, trainer: EngineRefitClient
+) -> None:
+    """Engine 1 keeps the committed label, but a weight-transfer update that ended
+    after its rounds (its trainer gone; an engine that cannot roll back) left its
+    weights part old, part new (revision 12's ``weights_mixed``): pushed again,
+    whole. While that update was part way, it was left to its writer."""
+    await trainer.refit("1", tensors=checkpoint_tensors(tiny_weights_dir(1)))
+    served = pair.output(0)
+    for step in ("start_weight_update", "update_weights", "shutdown_weight_transfer"):
+        setattr(pair.backends[1], step, nothing)
+    keeper = WeightKeeper(trainer)
+    try:
+        with grpc.insecure_channel(pair.addresses[1]) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            stub.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT), timeout=10)
+            stub.StartWeightUpdate(pb.StartWeightUpdateRequest(), timeout=10)
+            stub.UpdateWeights(pb.UpdateWeightsRequest(update_info_json=b"{}"), timeout=10)
+            part_way = pair.state(1)
+            assert part_way.weight_update_open and "part way" in part_way.weights_mixed
+            assert await keeper.check() == []
+            with pytest.raises(ValueError, match=r"restoring over the open update"):
+                await trainer.restore(pair.addresses[1])
+            stub.ShutdownWeightTransferEngine(pb.ShutdownWeightTransferEngineRequest(), timeout=10)
+        mixed = pair.state(1)
+        assert (mixed.weight_version, mixed.weight_version_declared, mixed.paused) == (
+            "1",
+            True,
+            True,
+        )
+        assert "ended unfinished" in mixed.weights_mixed and not mixed.weight_update_open
+        assert pair.backends[1].updates == 1  # the refit's
+        assert await keeper.check() == [pair.addresses[1]]
+        state = pair.state(1)
+        assert (state.weight_version, state.weights_mixed, state.paused) == ("1", "", False)
+        assert pair.backends[1].updates == 2 and pair.backends[0].updates == 1
+        assert pair.output(1) == served
+        assert await keeper.check() == []
+    finally:
         await keeper.close()
 
 

@@ -68,6 +68,38 @@ def test_an_engine_asleep_is_not_loaded() -> None:
     assert decision.action is Action.WAIT and "asleep" in decision.why
 
 
+MIXED = "a weight-transfer update ended unfinished (...) after 2 UpdateWeights round(s)"
+PART_WAY = "a weight-transfer update is part way, 1 UpdateWeights round(s) sent"
+
+
+@pytest.mark.parametrize(
+    ("source", "action", "said"),
+    [(CheckpointSource(CKPT), Action.LOAD, CKPT), (PushedSource(), Action.WAIT, "keeper")],
+    ids=["checkpoint", "pushed"],
+)
+def test_the_committed_label_on_weights_an_update_left_mixed_is_not_current(
+    source: CheckpointSource | PushedSource, action: Action, said: str
+) -> None:
+    """Revision 12: the label alone looks current; the weights are not that version."""
+    decision = decide(record(source=source), refit_state("7", declared=True, mixed=MIXED))
+    assert decision.action is action and said in decision.why
+    assert f"'7', not whole ({MIXED})" in decision.why, decision.why
+
+
+@pytest.mark.parametrize("label", ["7", "6"])
+def test_an_update_part_way_is_left_to_its_writer(label: str) -> None:
+    """Loading over it would leave the writer's later rounds on the loaded weights."""
+    state = refit_state(label, declared=True, mixed=PART_WAY, update_open=True)
+    decision = decide(record(), state)
+    assert decision.action is Action.WAIT
+    assert PART_WAY in decision.why and "writer to end it" in decision.why
+
+
+def test_an_update_started_with_no_round_yet_leaves_the_label_current() -> None:
+    decision = decide(record(), refit_state("7", declared=True, update_open=True))
+    assert decision.action is Action.CURRENT
+
+
 # -- the loop -------------------------------------------------------------------------
 
 
@@ -140,6 +172,8 @@ class Engine:
             during()
         self.state.weight_version = request.options.weight_version
         self.state.weight_version_declared = True
+        if not request.options.allow_partial:
+            self.state.weights_mixed = ""  # whole weights
         return pb.UpdateWeightsFromPathResponse()
 
     async def resume_generation(
@@ -201,6 +235,28 @@ async def test_an_engine_on_the_committed_version_is_left_as_it_is() -> None:
     result, holds = await run(Store([record()]), engine)
     assert result.outcome is CatchUpOutcome.CURRENT
     assert engine.calls == ["info"] and holds == [] and engine.state.paused
+
+
+async def test_weights_an_update_left_mixed_under_the_committed_label_are_loaded() -> None:
+    """A server that refuses to resume until whole weights land (paused, mixed)."""
+    engine = Engine(refit_state("7", declared=True, paused=True, mixed=MIXED))
+    result, holds = await run(Store([record()]), engine)
+    assert (result.outcome, result.version) == (CatchUpOutcome.LOADED, "7")
+    assert engine.calls == ["info", f"load {CKPT} as 7", "info", "resume"]
+    assert len(holds) == 1 and MIXED in holds[0]
+    assert (engine.state.weights_mixed, engine.state.paused) == ("", False)
+
+
+async def test_an_update_part_way_is_waited_out_then_followed() -> None:
+    def writer(engine: Engine) -> None:
+        if engine.calls.count("info") == 3:  # its finish: whole, labelled 7
+            engine.state.CopyFrom(refit_state("7", declared=True))
+
+    engine = Engine(refit_state("6", declared=True, mixed=PART_WAY, update_open=True))
+    engine.on_info = writer
+    result, holds = await run(Store([record()]), engine)
+    assert (result.outcome, result.version) == (CatchUpOutcome.PUSHED, "7")
+    assert engine.calls == ["info"] * 3 and len(holds) == 1 and PART_WAY in holds[0]
 
 
 async def test_a_refit_that_commits_during_the_load_is_followed() -> None:

@@ -22,7 +22,6 @@ def test_every_feature_revision_is_one_a_supported_server_may_lack() -> None:
         for name, value in vars(engine_contract).items()
         if name.endswith("_REVISION") and name not in WINDOW
     }
-    assert features, "no feature revision at all: is CACHE_SALT_REVISION gone?"
     stale = {
         name: value
         for name, value in features.items()

@@ -21,6 +21,7 @@ no-op, and the base backend's refusal to roll back).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -79,6 +80,13 @@ async def core(model_dir: Path) -> AsyncIterator[ServerCore]:
         yield server
 
 
+def reported(core: ServerCore) -> tuple[str, bool]:
+    """What the server reports (revision 12): why its weights are not whole, and
+    whether an update is open."""
+    state = core.refit.state()
+    return state.weights_mixed, state.weight_update_open
+
+
 async def refused_guarded(core: ServerCore, why: str) -> None:
     """A guarded rollout and Generate for the label serving are refused, retryably."""
     for call in (
@@ -96,6 +104,7 @@ async def test_no_guarded_request_is_served_while_an_unpaused_update_is_part_way
 ) -> None:
     await core.updates.start_weight_update(pb.WeightUpdateOptions(allow_unpaused=True))
     # Started, nothing sent yet: the weights are still v1's.
+    assert reported(core) == ("", True)
     assert spans(await core.rollout(rollout("before", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
     running = asyncio.ensure_future(core.rollout(rollout("running", "v1")))
     await tokens_made(core, 1, at_least=2)
@@ -105,8 +114,11 @@ async def test_no_guarded_request_is_served_while_an_unpaused_update_is_part_way
     assert answer.finish_reason == pb.FINISH_REASON_WEIGHT_VERSION_CHANGED
     assert spans(answer) == [("v1", 0, len(answer.token_ids))]
     await refused_guarded(core, r"labelled 'v1', are not one version whole: .*part way, 1 ")
+    mixed, update_open = reported(core)
+    assert update_open and mixed.startswith("a weight-transfer update is part way, 1 "), mixed
     assert (await core.rollout(rollout("free", max_new_tokens=4))).token_ids
     await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
+    assert reported(core) == ("", False)
     assert spans(await core.rollout(rollout("after", "v2", max_new_tokens=4))) == [("v2", 0, 4)]
 
 
@@ -121,6 +133,8 @@ async def test_an_update_left_after_its_rounds_keeps_the_server_paused_until_who
     mixed = MIXED.format(how=RELEASED, rounds=2)
     with pytest.raises(RefitRefused, match=mixed + r".*load whole weights before resuming"):
         await core.refit.resume()
+    said, update_open = reported(core)
+    assert re.search(mixed, said) and not update_open, said
     await refused_guarded(core, mixed)
     # Some tensors only: still not whole.
     some = pb.UpdateWeightsFromPathRequest(
@@ -138,6 +152,7 @@ async def test_an_update_left_after_its_rounds_keeps_the_server_paused_until_who
     else:  # every tensor of the tiny model
         await update_from_tensors(core, aiter_of(update_requests(checkpoint_tensors(model_dir))))
     await still_serving(core)
+    assert reported(core) == ("", False)
     assert spans(await core.rollout(rollout("r", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
 
 

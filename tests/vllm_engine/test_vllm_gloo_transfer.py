@@ -546,7 +546,8 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
     update (NeMo RL's ``packed: true``) and finish over the contract while
     ``trainer_send_weights`` broadcasts; paused meanwhile, as NeMo RL pauses.
     Between the update's round and its finish the weights are part way: a rollout
-    that requires the label they still carry is refused at once (ABORTED)."""
+    that requires the label they still carry is refused at once (ABORTED), and the
+    server says so (revision 12: ``weights_mixed``, ``weight_update_open``)."""
     from transformers import AutoModelForCausalLM
 
     on_a, on_b = servers
@@ -561,12 +562,20 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
         client = ContractWeightSyncClient(on_a, weight_version="static-b", timeout_s=120)
         finish = client.finish_weight_update
         refusals: list[str] = []
+        part_way: list[tuple[str, bool]] = []
 
         def finish_after_a_guarded_rollout(*args: Any, **kwargs: Any) -> None:
             with pytest.raises(grpc.RpcError) as refused:
                 a.Rollout(guarded(label), timeout=30)
             assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value.details()
             refusals.append(refused.value.details() or "")
+            state = a.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).refit_state
+            reported = a.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=30)
+            assert (reported.weights_mixed, reported.weight_update_open) == (
+                state.weights_mixed,
+                state.weight_update_open,
+            )
+            part_way.append((state.weights_mixed, state.weight_update_open))
             finish(*args, **kwargs)
 
         client.finish_weight_update = finish_after_a_guarded_rollout  # type: ignore[method-assign]
@@ -576,10 +585,13 @@ def test_refit_with_the_static_trainer_api_serves_what_a_fresh_engine_on_it_serv
             a.ResumeGeneration(pb.ResumeGenerationRequest())
             version = a.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=30)
             assert version.weight_version == "static-b" and version.declared
+            assert (version.weights_mixed, version.weight_update_open) == ("", False)
             same(run(a, vocab), reference)
         finally:
             client.close()
         assert len(refusals) == 1 and "a weight-transfer update is part way" in refusals[0]
+        [(mixed, update_open)] = part_way
+        assert update_open and mixed in refusals[0], (mixed, refusals[0])
         served = a.Rollout(guarded("static-b"), timeout=60)
         assert [s.version for s in served.weight_versions] == ["static-b"]
         assert list(served.token_ids) == greedy(b, PROMPT)[0]
