@@ -9,8 +9,9 @@ after every engine server restart, the bridge reads that record and decides
 
 - no record (no fleet refit committed yet, or catch-up off): register as ever;
 - the engine serves the committed version already, whole: register;
-- a weight-transfer update is part way on the engine (contract revision 12):
-  stay out of discovery until its writer ends it, then decide again;
+- a weight-transfer update is open on the engine (contract revision 12), and
+  the engine is not on the committed version whole: stay out of discovery until
+  its writer ends it, then decide again;
 - the committed weights are a checkpoint: the bridge loads it itself
   (``UpdateWeightsFromPath`` labelled with the committed version), resumes the
   engine, then registers;
@@ -108,19 +109,22 @@ def decide(record: CommittedRecord | None, state: pb.RefitState) -> Decision:
     if record is None:
         return Decision(Action.REGISTER, None, "no committed weights are published")
     weights = record.weights
-    if state.weights_mixed and state.weight_update_open:
-        # Loading over it would leave its writer's later rounds on our weights.
-        return Decision(
-            Action.WAIT,
-            weights,
-            f"the engine's weights are not one version whole ({state.weights_mixed}); "
-            "waiting for the update's writer to end it",
-        )
-    # Else an update ended unfinished, not rolled back: the label names none of it.
+    # Not whole: an update is part way, or one ended unfinished, not rolled back.
     whole = not state.weights_mixed
     # An initial label is the engine's start checkpoint, whatever it reads.
     if whole and state.weight_version_declared and state.weight_version == weights.version:
         return Decision(Action.CURRENT, weights, f"the engine serves {weights.version!r}")
+    if state.weight_update_open:
+        # A load under it would meet its writer's rounds, and the engine would not
+        # resume until it ends.
+        return Decision(
+            Action.WAIT,
+            weights,
+            f"a weight-transfer update is open on the engine "
+            f"({state.weights_mixed or 'no UpdateWeights round sent yet'}): waiting for "
+            "its writer to end it (a writer that is gone: ShutdownWeightTransferEngine "
+            "ends it, or FinishWeightUpdate where the engine refuses that)",
+        )
     serving = repr(state.weight_version) + ("" if state.weight_version_declared else " (initial)")
     if not whole:
         serving += f", not whole ({state.weights_mixed})"

@@ -14,17 +14,19 @@ that. Labels are names, not numbers, so no rule says one is older than another;
 what the bridge can tell is whether the fleet could still bring the version:
 
 - **stale**: the engine serves the committed version (a declared label), it is
-  neither paused nor asleep, and the rollout requires another. Every refit
-  (``rl_client.fleet_cycle``) pauses the workers before it changes a label and
-  publishes the record before it resumes them, so an unpaused worker on the
-  committed version sees no refit under way: the version required is an earlier
-  commit's, a refit's that never committed, or one nobody made, and no worker in
-  the pool serves it (catch-up keeps workers off the committed weights out of it).
-  Answered at once, not retryable.
-- **under way**: the engine is paused or asleep (a refit is under way on it),
-  which may bring the version, and the rollout requires another than the
-  committed one. Answered, retryable: the driver retries it as before (the
-  frontend does not migrate an answer), and its last refusal names the versions.
+  neither paused nor asleep nor taking a weight-transfer update, and the rollout
+  requires another. Every refit (``rl_client.fleet_cycle``) pauses the workers
+  before it changes a label and publishes the record before it resumes them, and
+  a trainer's own update runs open (``weight_update_open``, contract revision 12:
+  NeMo RL's run unpaused), so such a worker sees no refit under way: the version
+  required is an earlier commit's, a refit's that never committed, or one nobody
+  made, and no worker in the pool serves it (catch-up keeps workers off the
+  committed weights out of it). Answered at once, not retryable.
+- **under way**: the engine is paused, asleep or taking a weight-transfer update
+  (a refit is under way on it), which may bring the version, and the rollout
+  requires another than the committed one. Answered, retryable: the driver
+  retries it as before (the frontend does not migrate an answer), and its last
+  refusal names the versions.
 - anything else (no record, the engine already on the version required, a worker
   that lags the record or is paused off the committed version the rollout
   requires, the state or the record unreadable): passed on migratable, as
@@ -81,8 +83,16 @@ def judge(
     serving = state.weight_version
     worker = f"worker {instance_id}" if instance_id else "the worker"
     versions = f"required {required!r}, serving {serving!r}, committed {committed!r}"
-    if (state.paused or state.sleeping) and required != committed:
-        why = "paused" if state.paused else "asleep"
+    why = (
+        "paused"
+        if state.paused
+        else "asleep"
+        if state.sleeping
+        else "taking a weight-transfer update"
+        if state.weight_update_open
+        else None
+    )
+    if why is not None and required != committed:
         return WeightVersionRefusal(
             required=required,
             serving=serving,

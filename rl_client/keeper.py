@@ -10,8 +10,8 @@ trainer can send again. That is this keeper's job: it asks every engine server
 for its weight version (a bounded poll, on channels of its own) and pushes the
 committed weights to one that lags with ``EngineRefitClient.restore`` (one on
 another version, or on weights an update left part old, part new when it ended
-unfinished: ``weights_mixed``, contract revision 12; one whose update is part way
-is left to that update's writer), under
+unfinished: ``weights_mixed``, contract revision 12; one with an update open is
+left to that update's writer), under
 the same lock as the step's refits, so that a push never interleaves with one
 and is checked again after a refit that ran meanwhile.
 
@@ -119,8 +119,8 @@ class WeightKeeper:
             serving = await self._probes[address].get_weight_version()
         except grpc.aio.AioRpcError:
             return False  # down, or starting: asked again on the next tick
-        if serving.weights_mixed and serving.weight_update_open:
-            return False  # part way through its writer's update: left to it
+        if serving.weight_update_open:
+            return False  # a writer's update is open: left to it (restore refuses)
         current = serving.declared and serving.weight_version == version
         return not current or bool(serving.weights_mixed)
 

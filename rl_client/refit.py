@@ -474,9 +474,9 @@ class EngineRefitClient(_FleetClient):
         or another, and checked again there: False when the engine serves the
         committed version already, whole (a refit brought it there meanwhile).
         ValueError when nothing is committed, the committed weights cannot be sent
-        again (``CommittedWeights.resendable``), or a weight-transfer update is part
-        way on the engine (loading over it would leave its writer's later rounds on
-        the weights: its writer ends it)."""
+        again (``CommittedWeights.resendable``), or a weight-transfer update is open
+        on the engine (a load under it would meet its writer's rounds, and the
+        engine would not resume: its writer ends it)."""
         async with self._one_at_a_time, self._leased():  # one writer per fleet
             committed = self.committed
             if committed is None or not committed.resendable:
@@ -487,16 +487,16 @@ class EngineRefitClient(_FleetClient):
             engine, limits = self._engines[worker], self.deadlines
             async with asyncio.timeout(limits.control_s):
                 serving = await engine.get_weight_version()
-            if serving.weights_mixed and serving.weight_update_open:
-                raise ValueError(
-                    f"engine server {worker}: its weights are not one version whole "
-                    f"({serving.weights_mixed}); restoring over the open update would "
-                    "leave its writer's later rounds on them: end it first "
-                    "(FinishWeightUpdate or ShutdownWeightTransferEngine)"
-                )
             current = serving.declared and serving.weight_version == committed.version
             if current and not serving.weights_mixed:
                 return False
+            if serving.weight_update_open:
+                raise ValueError(
+                    f"engine server {worker} has a weight-transfer update open "
+                    f"({serving.weights_mixed or 'no UpdateWeights round sent yet'}): "
+                    "restoring under it would meet its writer's rounds; its writer ends it "
+                    "(FinishWeightUpdate, or ShutdownWeightTransferEngine if it is gone)"
+                )
             async with asyncio.timeout(limits.pause_s):
                 await self._pause(worker, mode, clear_cache=True)
             try:

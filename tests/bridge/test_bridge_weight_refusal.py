@@ -52,10 +52,15 @@ def record(version: str) -> CommittedRecord:
 
 
 def state(
-    version: str, *, declared: bool = True, paused: bool = False, sleeping: bool = False
+    version: str,
+    *,
+    declared: bool = True,
+    paused: bool = False,
+    sleeping: bool = False,
+    update_open: bool = False,
 ) -> pb.RefitState:
     """An engine serving ``version``, declared by a refit unless said otherwise."""
-    return refit_state(version, declared, paused=paused, sleeping=sleeping)
+    return refit_state(version, declared, paused=paused, sleeping=sleeping, update_open=update_open)
 
 
 # -- the rules ------------------------------------------------------------------------
@@ -74,7 +79,12 @@ def test_an_unpaused_worker_on_the_committed_version_refuses_for_good() -> None:
 
 @pytest.mark.parametrize(
     ("engine", "why"),
-    [(state("step-8", paused=True), "paused"), (state("step-8", sleeping=True), "asleep")],
+    [
+        (state("step-8", paused=True), "paused"),
+        (state("step-8", sleeping=True), "asleep"),
+        # An unpaused weight-transfer update (NeMo RL's), contract revision 12.
+        (state("step-8", update_open=True), "taking a weight-transfer update"),
+    ],
 )
 def test_a_refit_under_way_refuses_for_now(engine: pb.RefitState, why: str) -> None:
     # Whatever the version: the refit may bring it (a newer one, or the committed

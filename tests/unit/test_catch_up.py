@@ -86,16 +86,26 @@ def test_the_committed_label_on_weights_an_update_left_mixed_is_not_current(
     assert f"'7', not whole ({MIXED})" in decision.why, decision.why
 
 
-@pytest.mark.parametrize("label", ["7", "6"])
-def test_an_update_part_way_is_left_to_its_writer(label: str) -> None:
-    """Loading over it would leave the writer's later rounds on the loaded weights."""
-    state = refit_state(label, declared=True, mixed=PART_WAY, update_open=True)
+@pytest.mark.parametrize(
+    ("label", "mixed", "said"),
+    [
+        ("7", PART_WAY, PART_WAY),
+        ("6", PART_WAY, PART_WAY),
+        ("6", "", "no UpdateWeights round sent yet"),
+    ],
+    ids=["part way, committed label", "part way, older label", "no round yet, older label"],
+)
+def test_an_open_update_is_left_to_its_writer(label: str, mixed: str, said: str) -> None:
+    """A load under it would meet the writer's rounds, and the engine would not
+    resume until the update ends."""
+    state = refit_state(label, declared=True, mixed=mixed, update_open=True)
     decision = decide(record(), state)
     assert decision.action is Action.WAIT
-    assert PART_WAY in decision.why and "writer to end it" in decision.why
+    assert f"open on the engine ({said}): waiting for its writer" in decision.why
+    assert "ShutdownWeightTransferEngine" in decision.why
 
 
-def test_an_update_started_with_no_round_yet_leaves_the_label_current() -> None:
+def test_an_update_started_with_no_round_yet_leaves_the_committed_label_current() -> None:
     decision = decide(record(), refit_state("7", declared=True, update_open=True))
     assert decision.action is Action.CURRENT
 
