@@ -183,6 +183,11 @@ def idle(load: pb.GetLoadResponse) -> bool:
     )
 
 
+async def nothing(*args: object) -> None:
+    """A backend step that does nothing, put in place of one a test does not carry
+    (a weight-transfer engine's phases on the sim, which has none)."""
+
+
 def refit_state(
     version: str = "default",
     declared: bool = False,

@@ -22,7 +22,7 @@ from engine_server.backends.refit import TensorSpec, WeightWriter
 from engine_server.backends.sim import SimBackend
 from engine_server.config import ServerConfig
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import InProcessServer, greedy_rollout, tokens_and_logprobs
+from harness.engine import InProcessServer, greedy_rollout, nothing, tokens_and_logprobs
 from harness.ports import free_port
 from harness.waits import wait_until_async
 from rl_client.committed import CommittedWeights, PushedSource
@@ -160,10 +160,6 @@ async def test_a_push_waits_for_the_refit_in_progress_and_is_checked_again(
     finally:
         pair.backends[0].hold.set()
         await keeper.close()
-
-
-async def nothing(*args: object) -> None:
-    """A transfer engine's step that does nothing (the sim has no transfer engine)."""
 
 
 async def test_weights_an_unfinished_update_left_mixed_are_pushed_whole_again(

@@ -41,10 +41,10 @@ from engine_server.errors import (
 )
 from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import checkpoint_tensors
+from harness.engine import nothing
 from tests.unit.test_refit_control import (
     aiter_of,
     from_path,
-    nothing,
     paused,
     sim_core,
     still_serving,

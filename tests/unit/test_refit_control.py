@@ -39,6 +39,7 @@ from engine_server.errors import (
 )
 from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import tiny_weights_dir, unreadable_entry
+from harness.engine import nothing
 
 pytestmark = pytest.mark.serial
 
@@ -147,10 +148,6 @@ async def sim_core(
 
 async def paused(core: ServerCore) -> None:
     await core.refit.pause(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_WAIT))
-
-
-async def nothing(*args: object) -> None:
-    """A backend step that does nothing: one the test does not carry."""
 
 
 async def update_started(core: ServerCore) -> None:

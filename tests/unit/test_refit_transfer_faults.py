@@ -29,7 +29,8 @@ from engine_server.errors import (
     TransferUnavailable,
     UpdateAbandoned,
 )
-from tests.unit.test_refit_control import nothing, sim_core, still_serving, update_started
+from harness.engine import nothing
+from tests.unit.test_refit_control import sim_core, still_serving, update_started
 from tests.unit.test_refit_init_deadline import hanging_transfer
 
 pytestmark = [pytest.mark.serial, pytest.mark.timeout(30)]
