@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import random
 import socket
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # Where listening ports are drawn from: above Linux's default ephemeral range
@@ -12,6 +18,61 @@ from pathlib import Path
 # could be taken by any of them before its program binds it: a frontend once
 # failed to start so, its port the source port of a connection somewhere else.
 LISTEN_PORTS = range(61000, 65536)
+
+# Workers' system ports, below 32768 (Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an
+# i16) and apart from where bridges draw their internal one
+# (``bridge.admin.system_server.INTERNAL_PORTS``), so that a bridge started first
+# never draws the port a later worker of the same test is given.
+SYSTEM_PORTS = range(10000, 20000)
+
+# A port free when drawn stays free until its program binds it, seconds later; a
+# draw in another test process (an xdist worker, the low end's run beside the main
+# one) or later in the same test could hand it out again in between (seen: two
+# bridges of one run given one system port, the second refused its bind). Every
+# draw on this machine is recorded here, and no port is handed out twice within
+# this long, far more than any program takes to bind.
+_CLAIM_S = 900.0
+_CLAIMS = Path(tempfile.gettempdir()) / f"rollout-bridge-test-ports-{os.getuid()}"
+
+
+@contextlib.contextmanager
+def _claims() -> Iterator[dict[int, float]]:
+    """The live claims (port: when drawn), under a machine-wide lock; what the
+    caller adds is written back."""
+    with open(_CLAIMS, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        now = time.time()
+        claims: dict[int, float] = {}
+        for line in f.read().splitlines():
+            with contextlib.suppress(ValueError):
+                port, when = line.split()
+                if now - float(when) < _CLAIM_S:
+                    claims[int(port)] = float(when)
+        yield claims
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{port} {when}\n" for port, when in claims.items()))
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _draw(ports: range) -> int:
+    """A port in ``ports`` free right now that no recent draw handed out."""
+    with _claims() as claims:
+        for _ in range(200):
+            port = random.choice(ports)
+            if port not in claims and _bindable(port):
+                claims[port] = time.time()
+                return port
+    raise OSError(f"no free port in [{ports.start}, {ports.stop})")
 
 
 def _ephemeral_ports() -> range:
@@ -24,29 +85,20 @@ def _ephemeral_ports() -> range:
 
 def free_port() -> int:
     """A loopback port free right now, above the ephemeral range where the machine
-    leaves room (else an OS-assigned one): only another draw can take it before
-    you bind it."""
-    from bridge.admin.system_server import free_dynamo_port
-
+    leaves room (else an OS-assigned one): no other draw hands it out before you
+    bind it."""
     ports = range(max(LISTEN_PORTS.start, _ephemeral_ports().stop), LISTEN_PORTS.stop)
     if ports:
         with contextlib.suppress(OSError):
-            return free_dynamo_port(ports)
+            return _draw(ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-# Workers' system ports, below 32768 (Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an
-# i16) and apart from where bridges draw their internal one
-# (``bridge.admin.system_server.INTERNAL_PORTS``), so that a bridge started first
-# never draws the port a later worker of the same test is given.
-SYSTEM_PORTS = range(10000, 20000)
-
-
 def free_system_port() -> int:
     """A port for a worker's system server, free right now."""
-    from bridge.admin.system_server import INTERNAL_PORTS, free_dynamo_port
+    from bridge.admin.system_server import INTERNAL_PORTS
 
     assert SYSTEM_PORTS.stop <= INTERNAL_PORTS.start
-    return free_dynamo_port(SYSTEM_PORTS)
+    return _draw(SYSTEM_PORTS)
