@@ -43,8 +43,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
-
 from engine_contract.labels import label_problem
 from engine_contract.refit_rules import STALE_WRITER, pause_mode
 from rl_client.committed import (
@@ -61,11 +59,13 @@ from rl_client.refit_report import (
     Outcome,
     RefitError,
     RefitReport,
+    Served,
     WorkerHealth,
     WorkerRefit,
+    error_text,
 )
 
-__all__ = ["FleetCycle", "RollbackTarget", "Unanswered", "error_text"]
+__all__ = ["FleetCycle", "RollbackTarget", "Unanswered"]
 
 
 class Unanswered(Exception):
@@ -82,13 +82,6 @@ class RollbackTarget:
 
     version: str
     source: WeightSource
-
-
-def error_text(e: BaseException) -> str:
-    """An error as a report names it: a gRPC error's code and details, else its text."""
-    if isinstance(e, grpc.aio.AioRpcError):
-        return f"{e.code().name}: {e.details()}"
-    return str(e) or type(e).__name__
 
 
 async def _each(
@@ -170,8 +163,8 @@ class FleetCycle(ABC):
         return None
 
     @abstractmethod
-    async def _serving(self, worker: str) -> str:
-        """The version label the worker serves now."""
+    async def _serving(self, worker: str) -> Served:
+        """The weights the worker serves now."""
 
     @abstractmethod
     async def _health(self, worker: str) -> WorkerHealth: ...
@@ -438,8 +431,8 @@ class FleetCycle(ABC):
         """Out of the pool a worker that could not be brought back: its engine
         server already says NOT_SERVING (its weights unknown) or does not answer, or
         it is put to sleep now; the bridge follows its health and leaves. Never one
-        that another writer overtook and that serves the store's committed version
-        (its label is theirs; this refit's own label may lie about its weights)."""
+        that another writer overtook and that holds the store's committed version
+        (``Served.holds``: its label is theirs; this refit's may lie about its weights)."""
         started = time.monotonic()
         limit = self.deadlines.control_s
         try:
@@ -453,12 +446,13 @@ class FleetCycle(ABC):
                     serving = await self._serving(entry.worker)
             except Exception:
                 serving = None
-            if serving == committed:
+            if serving is not None and serving.holds(committed):
                 entry.rollback_s += time.monotonic() - started
                 entry.outcome, entry.version = Outcome.ON_COMMITTED, committed
                 entry.rollback_error = (
                     f"{entry.rollback_error}; left in the pool: it serves the committed "
                     f"version {committed!r}"
+                    + (", under an update its writer has open" if serving.update_open else "")
                 )
                 return
         if health is WorkerHealth.SERVING:

@@ -12,7 +12,8 @@
   (``engine_contract.tensors``), no shared filesystem needed.
 
 Either finds its workers through Dynamo's discovery with ``from_discovery(namespace)``
-(``rl_client.fleet_discovery``: the workers registered now), instead of a list.
+(``rl_client.fleet_discovery``: the workers registered now), instead of a list;
+that, ``async with`` and ``resume`` are ``rl_client.fleet_client``'s, the same for both.
 
 Each only carries the calls: the cycle and its rules are ``rl_client.fleet_cycle``'s,
 the same for both; its report (``RefitReport``, ``RefitError``) and ``Deadlines``
@@ -24,9 +25,8 @@ No Dynamo import here: trainers install only the ``driver`` extra.
 from __future__ import annotations
 
 import asyncio
-from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import aiohttp
 import grpc
@@ -43,39 +43,15 @@ from rl_client.committed import (
     PushedSource,
     WeightSource,
 )
-from rl_client.fleet_cycle import FleetCycle, RollbackTarget, Unanswered, error_text
-from rl_client.fleet_discovery import FleetDiscovery, FleetWorker, discover_workers
-from rl_client.refit_report import Deadlines, RefitReport, WorkerHealth
+from rl_client.fleet_client import FleetClient
+from rl_client.fleet_cycle import RollbackTarget, Unanswered
+from rl_client.fleet_discovery import FleetWorker
+from rl_client.refit_report import Deadlines, RefitReport, Served, WorkerHealth, error_text
 from rl_client.refit_rpc import DEFAULT_MAX_MESSAGE_BYTES, RefitRpc
 from rl_client.tls import TlsOptions
 from rl_client.weight_sync import RouteError
 
 __all__ = ["EngineRefitClient", "RefitClient"]
-
-
-def _discovered(
-    namespace: str,
-    component: str,
-    model: str | None,
-    discovery: FleetDiscovery | None,
-    field_name: str,
-) -> list[FleetWorker]:
-    """The live workers found in discovery; ValueError when there are none, or one
-    has no ``field_name`` (a bridge serving no admin routes, say)."""
-    workers = discover_workers(namespace, component, model=model, discovery=discovery)
-    serving = f" serving {model!r}" if model is not None else ""
-    if not workers:
-        raise ValueError(
-            f"no live worker of {namespace}/{component}{serving} in discovery (none "
-            "registered, or none of them a bridge that publishes its RL record)"
-        )
-    lacking = [w for w in workers if getattr(w, field_name) is None]
-    if lacking:
-        raise ValueError(
-            f"{len(lacking)} of the {len(workers)} workers of {namespace}/{component}{serving} "
-            f"published no {field_name} (instances {[hex(w.instance_id) for w in lacking]})"
-        )
-    return workers
 
 
 def _count(answer: dict[str, Any]) -> int | None:
@@ -85,73 +61,7 @@ def _count(answer: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class _FleetClient(FleetCycle):
-    """What both clients offer besides the cycle, alike whatever carries their
-    calls: the workers discovery listed, ``async with`` closing the client's
-    connections, and resuming workers by hand."""
-
-    # The workers as discovery listed them (``from_discovery``), else empty.
-    discovered: list[FleetWorker]
-    # The FleetWorker field holding the address this client calls a worker at.
-    address_field: ClassVar[str]
-
-    def __init__(
-        self,
-        workers: Sequence[str],
-        what: str,
-        committed: CommittedWeights | None,
-        store: CommittedStore | None,
-        deadlines: Deadlines | None,
-    ) -> None:
-        """``workers``: the addresses called (``what`` names them), never none."""
-        if not workers:
-            raise ValueError(f"no {what}")
-        super().__init__(committed, store, deadlines)
-        self.discovered = []
-
-    @classmethod
-    def from_discovery(
-        cls,
-        namespace: str,
-        component: str = "backend",
-        *,
-        model: str | None = None,
-        discovery: FleetDiscovery | None = None,
-        **options: Any,
-    ) -> Self:
-        """A client for the workers of ``namespace``/``component`` (serving ``model``,
-        when given) that are registered now, their addresses (``address_field``)
-        read from Dynamo's discovery (``rl_client.fleet_discovery``; ``discovery``:
-        the environment's by default). ``options``: the constructor's. A blocking
-        read: call it again for each step to follow the fleet. ValueError when no
-        worker is found, or one publishes no such address."""
-        workers = _discovered(namespace, component, model, discovery, cls.address_field)
-        client = cls._for_workers(workers, **options)
-        client.discovered = workers
-        return client
-
-    @classmethod
-    @abstractmethod
-    def _for_workers(cls, workers: list[FleetWorker], **options: Any) -> Self:
-        """A client for ``workers`` (each with an ``address_field``); ``options``:
-        the constructor's."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Close this client's connections to the workers."""
-
-    async def resume(self, workers: Sequence[str] | None = None) -> None:
-        """Resume ``workers`` (default: the whole fleet), as after a refit."""
-        await asyncio.gather(*(self._resume(w) for w in workers or self._fleet()))
-
-
-class RefitClient(_FleetClient):
+class RefitClient(FleetClient):
     """The cycle over Dynamo workers' RL admin routes (their system URLs).
 
     ``admin_token``: the workers' token; None (the default) reads it from the
@@ -250,9 +160,14 @@ class RefitClient(_FleetClient):
     async def _changes(self, worker: str) -> int | None:
         return _count(await self.call(worker, "get_weight_version"))
 
-    async def _serving(self, worker: str) -> str:
+    async def _serving(self, worker: str) -> Served:
         answer = await self.call(worker, "get_weight_version")
-        return str(answer.get("serving", answer.get("version")))
+        mixed = answer.get("weights_mixed")
+        return Served(
+            str(answer.get("serving", answer.get("version"))),
+            mixed if isinstance(mixed, str) else "",
+            answer.get("weight_update_open") is True,
+        )
 
     async def _health(self, worker: str) -> WorkerHealth:
         """The bridge's own view (``liveness_probe``): its engine server serving."""
@@ -295,7 +210,7 @@ class RefitClient(_FleetClient):
         return {w: a.get("version") for w, a in zip(self.worker_urls, answers, strict=True)}
 
 
-class EngineRefitClient(_FleetClient):
+class EngineRefitClient(FleetClient):
     """The cycle over engine servers' contract (gRPC), weights streamed or from a folder.
 
     ``tls``: TLS to the engine servers, as the bridge's ``--engine-tls-*`` options
@@ -380,8 +295,9 @@ class EngineRefitClient(_FleetClient):
     async def _changes(self, worker: str) -> int | None:
         return (await self._engines[worker].server_info()).refit_state.weight_changes
 
-    async def _serving(self, worker: str) -> str:
-        return (await self._engines[worker].get_weight_version()).weight_version
+    async def _serving(self, worker: str) -> Served:
+        answer = await self._engines[worker].get_weight_version()
+        return Served(answer.weight_version, answer.weights_mixed, answer.weight_update_open)
 
     async def _health(self, worker: str) -> WorkerHealth:
         try:

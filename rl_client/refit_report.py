@@ -1,6 +1,7 @@
 """What a fleet refit is given and gives back (``rl_client.fleet_cycle`` runs it):
-its deadlines per worker and step, each worker's outcome and its engine's health
-as its bridge sees it, the report, and the error that carries it. No Dynamo
+its deadlines per worker and step, each worker's outcome, its engine's health as
+its bridge sees it and the weights it says it serves, the report, and the error
+that carries it. No Dynamo
 import here: trainers install only the ``driver`` extra.
 """
 
@@ -9,13 +10,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import grpc
+
 __all__ = [
     "Deadlines",
     "Outcome",
     "RefitError",
     "RefitReport",
+    "Served",
     "WorkerHealth",
     "WorkerRefit",
+    "error_text",
 ]
 
 
@@ -43,6 +48,21 @@ class WorkerHealth(enum.Enum):
     SERVING = "serving"
     NOT_SERVING = "not serving"
     UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class Served:
+    """The weights a worker says it serves (contract revision 12; an older bridge's
+    answer, without the last two, reads as whole and no update open)."""
+
+    version: str  # the label
+    mixed: str = ""  # why the weights are not whole under it (an unfinished update)
+    update_open: bool = False  # a weight-transfer update under way: its writer's
+
+    def holds(self, version: str) -> bool:
+        """Whether this is ``version`` as far as anyone may act on it: its weights
+        whole, or an update open that is its writer's to finish."""
+        return self.version == version and (self.update_open or not self.mixed)
 
 
 @dataclass(frozen=True)
@@ -175,3 +195,10 @@ class RefitError(RuntimeError):
             why.append(f"publishing the committed version: {report.publish_error}")
         super().__init__(f"{head}: {'; '.join(why)}\n{report.describe()}")
         self.report = report
+
+
+def error_text(e: BaseException) -> str:
+    """An error as a report names it: a gRPC error's code and details, else its text."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e) or type(e).__name__

@@ -202,6 +202,10 @@ class RlAdmin:
             "version_declared": declared,
             "serving": answer.weight_version,
             "weight_changes": answer.weight_changes,
+            # Contract revision 12: why the weights are not whole under the label
+            # ("" when they are), and whether a weight-transfer update is open.
+            "weights_mixed": answer.weights_mixed,
+            "weight_update_open": answer.weight_update_open,
         }
 
     # -- generation ----------------------------------------------------------

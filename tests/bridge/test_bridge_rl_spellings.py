@@ -83,7 +83,11 @@ class Engine:
             "IsSleeping": lambda: pb.IsSleepingResponse(sleeping=self.sleeping),
             "ResetPrefixCache": lambda: pb.ResetPrefixCacheResponse(reset=self.reset),
             "GetWeightVersion": lambda: pb.GetWeightVersionResponse(
-                weight_version=self.version, declared=self.declared, weight_changes=self.changes
+                weight_version=self.version,
+                declared=self.declared,
+                weight_changes=self.changes,
+                weights_mixed="a weight-transfer update part way" if self.transfer else "",
+                weight_update_open=self.transfer,
             ),
         }
         if method in answers:
@@ -241,6 +245,8 @@ async def test_each_spelling_answers_in_its_own_shape() -> None:
             "version_declared": True,
             "serving": "v1",
             "weight_changes": 1,
+            "weights_mixed": "",
+            "weight_update_open": False,
         }
         assert await port.post("/resume") == (200, {"status": "resumed"})
         assert await port.post("/engine/control/resume_generation") == (200, {"status": "resumed"})
@@ -488,9 +494,16 @@ async def test_weight_transfer_in_vllms_words() -> None:
             ("/finish_weight_update", {"weight_version": "9"}, "Weight update finished"),
             ("/shutdown_weight_transfer_engine", None, "Weight transfer shut down"),
         ]
+        # dynamo.vllm's get_weight_version says, besides, whether the update is open
+        # and why the weights are not whole (contract revision 12).
+        reported = []
         for path, body, message in steps:
             assert await port.post(path, body) == (200, {"message": message}), path
-        assert port.engine.rpcs == [
+            _, answer = await port.post("/engine/get_weight_version")
+            reported.append((answer["weight_update_open"], answer["weights_mixed"]))
+        part_way = (True, "a weight-transfer update part way")
+        assert reported == [(False, ""), part_way, part_way, (False, ""), (False, "")]
+        assert [rpc for rpc in port.engine.rpcs if rpc != "GetWeightVersion"] == [
             "InitWeightTransferEngine",
             "StartWeightUpdate",
             "UpdateWeights",

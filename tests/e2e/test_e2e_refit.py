@@ -40,7 +40,7 @@ from harness.waits import wait_until
 from rl_client import driver
 from rl_client.committed import CheckpointSource, CommittedWeights
 from rl_client.refit import RefitClient
-from rl_client.refit_report import Outcome, RefitError
+from rl_client.refit_report import Outcome, RefitError, Served
 
 pytestmark = pytest.mark.dynamo
 
@@ -150,13 +150,16 @@ def engine_load(rs: RefitStack) -> pb.GetLoadResponse:
 def test_every_route_answers_as_dynamo_vllm(refit_stack: RefitStack) -> None:
     rs = refit_stack
     assert ok(rs, "liveness_probe") == {"status": "ok", "alive": True}
-    # dynamo.vllm's keys, then ours: the label serving, the count of weight changes.
+    # dynamo.vllm's keys, then ours: the label serving, the count of weight changes,
+    # why the weights are not whole under it and whether an update is open (revision 12).
     assert ok(rs, "get_weight_version") == {
         "status": "ok",
         "version": None,
         "version_declared": False,
         "serving": "default",
         "weight_changes": 0,
+        "weights_mixed": "",
+        "weight_update_open": False,
     }
     # Bodies: GET and empty bodies are {}; not an object, an error answer; not JSON, 400.
     status, answer = http_json(f"{rs.admin}/engine/get_weight_version")
@@ -218,6 +221,8 @@ def test_every_route_answers_as_dynamo_vllm(refit_stack: RefitStack) -> None:
         "version_declared": True,
         "serving": "1",
         "weight_changes": 2,
+        "weights_mixed": "",
+        "weight_update_open": False,
     }
     # The routes share the port with Dynamo's own: /health, /metrics, unknown routes.
     assert http_json(f"{rs.admin}/health")[0] == 200
@@ -321,6 +326,7 @@ async def test_refit_serves_exactly_what_an_engine_started_on_b_serves(
             assert result.weight_versions == [("2", 0, len(result.token_ids))]
             assert result.weight_version == "2"
         assert (await trainer.versions()) == {rs.admin: "2"}
+        assert await trainer._serving(rs.admin) == Served("2")  # whole, no update open
         # A refit that fails says why, and the worker goes back to the committed
         # weights and version, and serves again exactly as before.
         with pytest.raises(RefitError) as failed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rl_client.committed import WeightSource
 from rl_client.fleet_cycle import FleetCycle, RollbackTarget
-from rl_client.refit_report import WorkerHealth
+from rl_client.refit_report import Served, WorkerHealth
 
 
 class Obedient(FleetCycle):
@@ -28,8 +28,8 @@ class Obedient(FleetCycle):
     async def _label(self, worker: str, version: str, expect: int | None) -> int | None:
         return None
 
-    async def _serving(self, worker: str) -> str:
-        return "?"
+    async def _serving(self, worker: str) -> Served:
+        return Served("?")
 
     async def _health(self, worker: str) -> WorkerHealth:
         return WorkerHealth.SERVING

@@ -35,7 +35,7 @@ from rl_client.committed import (
 )
 from rl_client.fleet_lease import FileFleetLease, Holder, LeaseHeld, LeaseLost
 from rl_client.refit import EngineRefitClient
-from rl_client.refit_report import Deadlines, Outcome, RefitError
+from rl_client.refit_report import Deadlines, Outcome, RefitError, Served
 from rl_client.refit_rpc import RefitRpc
 from tests.rl_client.fleet_fakes import Obedient
 from tests.rl_client.test_fleet_refit import PROMPT, Faulty, Fleet, real, serving
@@ -470,10 +470,11 @@ class OnCommitted(Obedient):
     """Two workers whose rollback fails; w0 serves the store's committed version
     (another writer put it there)."""
 
-    def __init__(self, store: FileCommittedStore) -> None:
+    def __init__(self, store: FileCommittedStore, w0: Served) -> None:
         super().__init__(
             CommittedWeights("0", CheckpointSource("/old")), store, Deadlines(control_s=1)
         )
+        self.w0 = w0
         self.slept: list[str] = []
 
     async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
@@ -484,22 +485,43 @@ class OnCommitted(Obedient):
             raise RuntimeError("a stale writer")
         return None
 
-    async def _serving(self, worker: str) -> str:
-        return "theirs" if worker == "w0" else "new"
+    async def _serving(self, worker: str) -> Served:
+        return self.w0 if worker == "w0" else Served("new")
 
     async def _sleep(self, worker: str) -> None:
         self.slept.append(worker)
 
 
+@pytest.mark.parametrize(
+    ("w0", "left"),
+    [
+        (Served("theirs"), "it serves the committed version 'theirs'"),
+        (
+            Served("theirs", "2 UpdateWeights rounds of an update", update_open=True),
+            "it serves the committed version 'theirs', under an update its writer has open",
+        ),
+    ],
+    ids=["whole", "update-open"],
+)
 async def test_a_worker_serving_the_committed_version_is_never_taken_out(
-    store: FileCommittedStore,
+    store: FileCommittedStore, w0: Served, left: str
 ) -> None:
     store.publish(CommittedRecord(CommittedWeights("theirs", CheckpointSource("/theirs"))))
-    cycle = OnCommitted(store)
+    cycle = OnCommitted(store, w0)
     with pytest.raises(RefitError) as failed:
         await cycle._run("new", CheckpointSource("/new"), "wait", True)
     assert failed.value.report.outcomes() == {"w0": Outcome.ON_COMMITTED, "w1": Outcome.REMOVED}
     assert cycle.slept == ["w1"]
-    assert "left in the pool: it serves the committed version 'theirs'" in str(
-        failed.value.report.workers[0].rollback_error
-    )
+    assert f"left in the pool: {left}" in str(failed.value.report.workers[0].rollback_error)
+
+
+async def test_a_worker_an_unfinished_update_left_mixed_under_the_committed_label_goes_out(
+    store: FileCommittedStore,
+) -> None:
+    """Its label alone looks committed (contract revision 12 says the weights are not)."""
+    store.publish(CommittedRecord(CommittedWeights("theirs", CheckpointSource("/theirs"))))
+    cycle = OnCommitted(store, Served("theirs", "an update that ended after 2 rounds"))
+    with pytest.raises(RefitError) as failed:
+        await cycle._run("new", CheckpointSource("/new"), "wait", True)
+    assert failed.value.report.outcomes() == {"w0": Outcome.REMOVED, "w1": Outcome.REMOVED}
+    assert sorted(cycle.slept) == ["w0", "w1"]

@@ -40,7 +40,7 @@ from rl_client.committed import (
 )
 from rl_client.fleet_cycle import FleetCycle, RollbackTarget
 from rl_client.refit import EngineRefitClient, RefitClient
-from rl_client.refit_report import Deadlines, Outcome, RefitError, WorkerHealth
+from rl_client.refit_report import Deadlines, Outcome, RefitError, Served, WorkerHealth
 
 PROMPT = [(i * 37) % 800 + 5 for i in range(24)]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -339,8 +339,8 @@ class Scripted(FleetCycle):
     async def _label(self, worker: str, version: str, expect: int | None) -> None:
         await self._step(worker, "label")
 
-    async def _serving(self, worker: str) -> str:
-        return "?"
+    async def _serving(self, worker: str) -> Served:
+        return Served("?")
 
     async def _health(self, worker: str) -> WorkerHealth:
         await self._step(worker, "health")
