@@ -142,6 +142,17 @@ class TransferPhases:
         if self.update is not None:
             raise RefitRefused(refit_rules.PhaseRefusal.ALREADY_STARTED.value)
 
+    def refuse_a_load_beside(self) -> None:
+        """A checkpoint or tensor load while an update is open would land between its
+        trainer's rounds, and its finish would label both: its trainer ends it first."""
+        if self.update is not None:
+            raise RefitRefused(
+                f"a weight-transfer update is open ({self.update.rounds} UpdateWeights "
+                "round(s) sent since StartWeightUpdate): a load now would land between its "
+                "trainer's rounds; its trainer ends it first (FinishWeightUpdate, or "
+                "ShutdownWeightTransferEngine if it is gone)"
+            )
+
     def close(self) -> None:
         """The update finished: the engine holds its weights whole."""
         self.update = None

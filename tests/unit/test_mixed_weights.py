@@ -8,7 +8,8 @@ no-op, and the base backend's refusal to roll back).
 - An update left unfinished after its rounds (its trainer gone, its finish failed or
   cancelled) keeps a paused server paused and guarded requests refused until whole
   weights land: a finished transfer update, or a path or tensor update that names
-  every tensor (not ``allow_partial``).
+  every tensor (not ``allow_partial``). No path or tensor update is taken while an
+  update is open: it would land between its trainer's rounds.
 - An update left before any round reached the engine, or whose only round was
   refused before the engine saw it (its caller gone or not), leaves the weights whole.
 - Where the engine refuses to release a group during an update (vLLM 0.32's own
@@ -154,6 +155,33 @@ async def test_an_update_left_after_its_rounds_keeps_the_server_paused_until_who
     await still_serving(core)
     assert reported(core) == ("", False)
     assert spans(await core.rollout(rollout("r", "v1", max_new_tokens=4))) == [("v1", 0, 4)]
+
+
+@pytest.mark.parametrize("rounds", [0, 1])
+async def test_no_checkpoint_or_tensor_load_lands_beside_an_open_update(
+    core: ServerCore, model_dir: Path, rounds: int
+) -> None:
+    """It would land between the trainer's rounds, and the finish would label both."""
+    await update_started(core)
+    for _ in range(rounds):
+        await core.updates.update_weights({})
+    changes = core.refit.weight_changes
+    refused = (
+        rf"a weight-transfer update is open \({rounds} UpdateWeights round\(s\) sent since "
+        r"StartWeightUpdate\): a load now .* its trainer ends it first \(FinishWeightUpdate, or "
+        r"ShutdownWeightTransferEngine if it is gone\)"
+    )
+    with pytest.raises(RefitRefused, match=refused) as path:
+        await core.updates.update_from_path(from_path(model_dir))
+    assert path.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(RefitRefused, match=refused):
+        await update_from_tensors(core, aiter_of(update_requests(checkpoint_tensors(model_dir))))
+    assert core.refit.weight_changes == changes and core.refit.transfer.update is not None
+    await core.updates.finish_weight_update(pb.FinishWeightUpdateRequest(weight_version="v2"))
+    assert reported(core) == ("", False) and core.refit.version == "v2"
+    # Once it ended, a checkpoint loads as before.
+    await core.updates.update_from_path(from_path(model_dir))
+    assert core.refit.weight_changes == changes + 1
 
 
 async def test_a_finish_whose_caller_left_leaves_the_label_unset_and_the_server_paused(
