@@ -115,8 +115,8 @@ def decide(record: CommittedRecord | None, state: pb.RefitState) -> Decision:
     if whole and state.weight_version_declared and state.weight_version == weights.version:
         return Decision(Action.CURRENT, weights, f"the engine serves {weights.version!r}")
     if state.weight_update_open:
-        # A load under it would meet its writer's rounds, and the engine would not
-        # resume until it ends.
+        # The engine refuses a load under it (it would land between its writer's
+        # rounds), and would not resume until it ends.
         return Decision(
             Action.WAIT,
             weights,

@@ -66,7 +66,8 @@ this file and ``v1/__init__.py`` are written by hand.
 #      and weight_update_open whether an update is open, so that a fleet's keeper
 #      and a bridge's catch-up load whole weights on a worker whose label alone
 #      looks current, and leave an open update to its writer (a revision-11
-#      server leaves both unset: it said nothing of either).
+#      server leaves both unset: it said nothing of either). The server refuses
+#      path and tensor updates while a weight-transfer update is open.
 CONTRACT_REVISION = 12
 MINIMUM_CLIENT_REVISION = 11
 MINIMUM_SERVER_REVISION = 11

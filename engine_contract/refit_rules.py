@@ -61,6 +61,11 @@ class UpdateRefusal(enum.Enum):
 # (FAILED_PRECONDITION) and the RL routes alike.
 STALE_WRITER = "a stale writer"
 
+# How a path or tensor update is refused while a weight-transfer update is open on
+# the engine (contract revision 12): as STALE_WRITER's, the words a client
+# recognises it by, for another writer holds the engine.
+UPDATE_OPEN = "a weight-transfer update is open"
+
 
 class PhaseRefusal(enum.Enum):
     """A weight-transfer phase out of order (FAILED_PRECONDITION); the value is the

@@ -147,10 +147,11 @@ class TransferPhases:
         trainer's rounds, and its finish would label both: its trainer ends it first."""
         if self.update is not None:
             raise RefitRefused(
-                f"a weight-transfer update is open ({self.update.rounds} UpdateWeights "
-                "round(s) sent since StartWeightUpdate): a load now would land between its "
-                "trainer's rounds; its trainer ends it first (FinishWeightUpdate, or "
-                "ShutdownWeightTransferEngine if it is gone)"
+                f"{refit_rules.UPDATE_OPEN} ({self.update.rounds} UpdateWeights round(s) "
+                "sent since StartWeightUpdate): a load now would land between its trainer's "
+                "rounds; its trainer ends it first (FinishWeightUpdate; one that is gone: "
+                "ShutdownWeightTransferEngine ends it, or FinishWeightUpdate where the "
+                "engine refuses that)"
             )
 
     def close(self) -> None:

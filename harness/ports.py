@@ -29,8 +29,9 @@ SYSTEM_PORTS = range(10000, 20000)
 # draw in another test process (an xdist worker, the low end's run beside the main
 # one) or later in the same test could hand it out again in between (seen: two
 # bridges of one run given one system port, the second refused its bind). Every
-# draw on this machine is recorded here, and no port is handed out twice within
-# this long, far more than any program takes to bind.
+# draw by this user is recorded here (one file in the temp folder, which the
+# runs of one ``make test`` share), and no port is handed out twice within this
+# long, far more than any program takes to bind.
 _CLAIM_S = 900.0
 _CLAIMS = Path(tempfile.gettempdir()) / f"rollout-bridge-test-ports-{os.getuid()}"
 
@@ -39,15 +40,15 @@ _CLAIMS = Path(tempfile.gettempdir()) / f"rollout-bridge-test-ports-{os.getuid()
 def _claims() -> Iterator[dict[int, float]]:
     """The live claims (port: when drawn), under a machine-wide lock; what the
     caller adds is written back."""
-    with open(_CLAIMS, "a+") as f:
+    with open(_CLAIMS, "a+", errors="replace") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
         now = time.time()
         claims: dict[int, float] = {}
-        for line in f.read().splitlines():
+        for line in f.read().splitlines():  # what does not parse, or lies ahead, lapses
             with contextlib.suppress(ValueError):
                 port, when = line.split()
-                if now - float(when) < _CLAIM_S:
+                if 0 <= now - float(when) < _CLAIM_S:
                     claims[int(port)] = float(when)
         yield claims
         f.seek(0)

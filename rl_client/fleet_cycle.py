@@ -25,12 +25,15 @@ resumes every worker it paused before the cancellation goes on, and before it
 lets go of the lease, even if cancelled again (``last_report`` says so); a
 write of the record that began runs to its end and counts. A worker that
 another writer overtook is not rolled back over that writer's weights, and
-one that serves the store's committed version is never taken out of the pool.
+one that serves the store's committed version is never taken out of the pool. A
+worker where another writer has a weight-transfer update open (contract revision
+12) is not touched at all: the refit stops at the pause, nothing sent.
 
 Here once, so that both ways in (``rl_client.refit``: ``RefitClient`` over the
 RL routes, ``EngineRefitClient`` over the contract) follow the same rules: each
 is a ``FleetCycle`` that says how to pause, load, label, resume, probe and sleep one
-worker. No Dynamo import here: trainers install only the ``driver`` extra.
+worker; ``rl_client.fleet_steps`` runs each step on every worker at once. No
+Dynamo import here: trainers install only the ``driver`` extra.
 """
 
 from __future__ import annotations
@@ -39,12 +42,11 @@ import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from engine_contract.labels import label_problem
-from engine_contract.refit_rules import STALE_WRITER, pause_mode
+from engine_contract.refit_rules import STALE_WRITER, UPDATE_OPEN, pause_mode
 from rl_client.committed import (
     UNREAD,
     CommittedRecord,
@@ -54,6 +56,7 @@ from rl_client.committed import (
     WeightSource,
 )
 from rl_client.fleet_lease import Leased, default_owner, holding
+from rl_client.fleet_steps import each_worker, to_its_end
 from rl_client.refit_report import (
     Deadlines,
     Outcome,
@@ -84,35 +87,11 @@ class RollbackTarget:
     source: WeightSource
 
 
-async def _each(
-    entries: Iterable[WorkerRefit],
-    stage: str,
-    limit: float | None,
-    step: Callable[[WorkerRefit], Awaitable[None]],
-) -> None:
-    """Run ``step`` on every entry at once, each within ``limit``; its time and any
-    failure are written into the entry."""
-
-    async def guarded(entry: WorkerRefit) -> None:
-        started = time.monotonic()
-        timer = asyncio.timeout(limit)
-        try:
-            async with timer:
-                await step(entry)
-        except TimeoutError as e:
-            if timer.expired():
-                entry.note_failure(
-                    stage, f"did not answer within its {stage} deadline of {limit:g} s"
-                )
-            else:
-                entry.note_failure(stage, error_text(e))
-        except Exception as e:
-            entry.note_failure(stage, error_text(e))
-        finally:
-            elapsed = time.monotonic() - started
-            setattr(entry, f"{stage}_s", getattr(entry, f"{stage}_s") + elapsed)
-
-    await asyncio.gather(*(guarded(e) for e in entries))
+def _theirs(e: BaseException) -> bool:
+    """Whether a refused load or label says another writer holds the worker: it
+    changed the weights after this refit's pause (the fence), or has a
+    weight-transfer update open there (revision 12): its weights are theirs."""
+    return any(words in error_text(e) for words in (STALE_WRITER, UPDATE_OPEN))
 
 
 class FleetCycle(ABC):
@@ -268,20 +247,22 @@ class FleetCycle(ABC):
 
     async def _resume_staying(self, report: RefitReport) -> None:
         staying = [
-            w for w in report.workers if w.outcome not in (Outcome.REMOVED, Outcome.ROLLBACK_FAILED)
+            w
+            for w in report.workers
+            if w.paused and w.outcome not in (Outcome.REMOVED, Outcome.ROLLBACK_FAILED)
         ]
 
         async def resume(entry: WorkerRefit) -> None:
             await self._resume(entry.worker)
             entry.resumed = True
 
-        await _each(staying, "resume", self.deadlines.control_s, resume)
+        await each_worker(staying, "resume", self.deadlines.control_s, resume)
 
     async def _undo_shielded(self, report: RefitReport, plan: dict[str, RollbackTarget]) -> None:
         """Undo an interrupted refit to its end, even when cancelled again meanwhile:
         the lock and the fleet's lease are let go only after it."""
         try:
-            _, cancelled = await _to_its_end(self._undo(report, plan))
+            _, cancelled = await to_its_end(self._undo(report, plan))
         except Exception:
             return  # written into the report; the interruption is what is raised
         if cancelled:
@@ -315,6 +296,15 @@ class FleetCycle(ABC):
             return all(w.ok for w in entries)
 
         async def pause(entry: WorkerRefit) -> None:
+            # Another writer's transfer update open there (revision 12): its engine
+            # refuses our load and would not resume until that update ends; its
+            # writer may run it unpaused. Not touched: the refit stops here.
+            served = await self._serving(entry.worker)
+            if served.update_open:
+                raise RuntimeError(
+                    f"{UPDATE_OPEN} ({served.mixed or 'no UpdateWeights round sent yet'}), "
+                    "another writer's: left to it, not paused"
+                )
             entry.paused = True
             await self._pause(entry.worker, mode, clear_cache)
             entry.changes = await self._changes(entry.worker)
@@ -325,21 +315,20 @@ class FleetCycle(ABC):
             try:
                 entry.changes = await self._load(entry.worker, source, expect)
             except Exception as e:
-                # Another writer changed it after the pause: its weights are theirs.
-                entry.overtaken = STALE_WRITER in error_text(e)
+                entry.overtaken = _theirs(e)
                 raise
 
         async def label(entry: WorkerRefit) -> None:
             expect, entry.changes = entry.changes, None
             entry.changes = await self._label(entry.worker, report.version, expect)
 
-        await _each(entries, "pause", limits.pause_s, pause)
+        await each_worker(entries, "pause", limits.pause_s, pause)
         if not all_ok():  # nothing was sent: every worker keeps its weights
             return
-        await _each(entries, "update", limits.update_s, load)
+        await each_worker(entries, "update", limits.update_s, load)
         labelled = all_ok()
         if labelled:
-            await _each(entries, "label", limits.control_s, label)
+            await each_worker(entries, "label", limits.control_s, label)
         weights = CommittedWeights(report.version, source)
         if all_ok():
             await held.renew()
@@ -348,7 +337,7 @@ class FleetCycle(ABC):
                 report.publish_error = f"not published: {lost}"
             else:
                 # The commit point runs to its end: a write that lands is reported.
-                published, cancelled = await _to_its_end(self._publish(report, weights))
+                published, cancelled = await to_its_end(self._publish(report, weights))
                 if published:
                     report.committed = True
                     self.committed = weights
@@ -404,10 +393,10 @@ class FleetCycle(ABC):
                     expect, entry.changes = entry.changes, None
                     entry.changes = await self._label(entry.worker, previous.version, expect)
             except Exception as e:
-                entry.overtaken = STALE_WRITER in error_text(e)
+                entry.overtaken = _theirs(e)
                 raise
 
-        await _each(entries, "rollback", self.deadlines.rollback_s, back)
+        await each_worker(entries, "rollback", self.deadlines.rollback_s, back)
         for entry in entries:
             if entry.rollback_error is None:
                 entry.outcome = Outcome.ROLLED_BACK
@@ -474,21 +463,3 @@ class FleetCycle(ABC):
         else:
             entry.outcome = Outcome.REMOVED
             entry.rollback_error = f"{entry.rollback_error}; out of the pool ({health.value})"
-
-
-T = TypeVar("T")
-
-
-async def _to_its_end(step: Awaitable[T]) -> tuple[T, bool]:
-    """``step`` run to its end even when the caller is cancelled meanwhile, and
-    whether it was: the caller raises the cancellation once it has acted on the
-    result (a record written, an undo finished)."""
-    task = asyncio.ensure_future(step)
-    cancelled = False
-    while True:
-        try:
-            return await asyncio.shield(task), cancelled
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True

@@ -391,8 +391,8 @@ class EngineRefitClient(FleetClient):
         committed version already, whole (a refit brought it there meanwhile).
         ValueError when nothing is committed, the committed weights cannot be sent
         again (``CommittedWeights.resendable``), or a weight-transfer update is open
-        on the engine (a load under it would meet its writer's rounds, and the
-        engine would not resume: its writer ends it)."""
+        on the engine (the engine refuses a load under it, which would land between
+        its writer's rounds, and would not resume: its writer ends it)."""
         async with self._one_at_a_time, self._leased():  # one writer per fleet
             committed = self.committed
             if committed is None or not committed.resendable:
@@ -410,8 +410,10 @@ class EngineRefitClient(FleetClient):
                 raise ValueError(
                     f"engine server {worker} has a weight-transfer update open "
                     f"({serving.weights_mixed or 'no UpdateWeights round sent yet'}): "
-                    "restoring under it would meet its writer's rounds; its writer ends it "
-                    "(FinishWeightUpdate, or ShutdownWeightTransferEngine if it is gone)"
+                    "the engine refuses a load under it (it would land between its writer's "
+                    "rounds); its writer ends it (FinishWeightUpdate; one that is gone: "
+                    "ShutdownWeightTransferEngine ends it, or FinishWeightUpdate where the "
+                    "engine refuses that)"
                 )
             async with asyncio.timeout(limits.pause_s):
                 await self._pause(worker, mode, clear_cache=True)

@@ -332,7 +332,9 @@ class EngineServiceServicer:
         read. Refused unless paused (or allow_unpaused). Checked before anything
         is loaded: a missing directory, or tensor names, dtypes or shapes that do
         not match the served model's, give INVALID_ARGUMENT naming the tensor and
-        leave the old weights serving, the version unchanged.
+        leave the old weights serving, the version unchanged. Refused
+        (FAILED_PRECONDITION) while a weight-transfer update is open (revision 12:
+        it would land between that update's rounds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -344,6 +346,7 @@ class EngineServiceServicer:
         manifest (every tensor's name, dtype and shape, checked at once); then the
         tensors' bytes in manifest order, each tensor's in order, in chunks under
         the message size limit. A stream that breaks or ends short loads nothing.
+        Refused while a weight-transfer update is open, as UpdateWeightsFromPath.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

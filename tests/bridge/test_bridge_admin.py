@@ -26,9 +26,10 @@ from aiohttp import web
 
 from bridge.admin import system_server
 from bridge.admin.auth import exposure_warning, is_loopback
-from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port, strict_json
+from bridge.admin.system_server import SystemPort, SystemServer, strict_json
 from bridge.config import MODEL_FILES, parse_args
 from engine_contract.v1 import engine_pb2 as pb
+from harness.ports import free_system_port
 from rl_client.admin_token import MAX_TOKEN_BYTES, TOKEN_ENV, TOKEN_FILE_ENV, AdminToken
 from rl_client.refit import RefitClient
 from rl_client.refit_rpc import RefitRpc
@@ -204,7 +205,7 @@ async def _serving(
         "control/sleep": route("control/sleep", {"status": "ok"}),
         "nan_answer": route("nan_answer", {"status": "ok", "version": math.nan}),
     }
-    port = free_dynamo_port()
+    port = free_system_port()
     server = SystemServer(SystemPort(host, port, upstream.port), routes, token)
     await server.start()
     try:

@@ -25,13 +25,14 @@ from multidict import CIMultiDictProxy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import engine_contract
-from bridge.admin.system_server import SystemPort, SystemServer, free_dynamo_port
+from bridge.admin.system_server import SystemPort, SystemServer
 from bridge.client import EngineClient
 from bridge.engine_metrics import EngineSeries
 from engine_contract.v1 import engine_pb2 as pb
 from engine_server.metrics import engine_series
 from harness.metrics import Samples
 from harness.nemo_rl import sampler_metrics
+from harness.ports import free_system_port
 from tests.bridge.bridge_fakes import FakeEngine, FakeServer, serve_loopback
 
 pytestmark = pytest.mark.serial
@@ -129,7 +130,7 @@ async def system_port(engine: FakeEngine, timeout_s: float = 1.0) -> AsyncIterat
         info = engine.info()
         series = EngineSeries(lambda: (client, info), timeout_s)
         series.labels = dict(LABELS)
-        port = free_dynamo_port()
+        port = free_system_port()
         system = SystemServer(
             SystemPort("127.0.0.1", port, upstream.port), {}, extra_metrics=series.text
         )

@@ -20,11 +20,12 @@ import grpc
 import pytest
 
 from bridge.catch_up import CatchUp
+from engine_contract.refit_rules import UPDATE_OPEN
 from engine_contract.tensors import update_requests
 from engine_contract.v1 import engine_pb2 as pb
-from engine_server.backends.refit import PauseMode
+from engine_server.backends.refit import PauseMode, WeightLoad
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import greedy_rollout, tokens_and_logprobs
+from harness.engine import greedy_rollout, nothing, tokens_and_logprobs
 from rl_client.committed import (
     CheckpointSource,
     CommittedRecord,
@@ -470,44 +471,50 @@ class OnCommitted(Obedient):
     """Two workers whose rollback fails; w0 serves the store's committed version
     (another writer put it there)."""
 
-    def __init__(self, store: FileCommittedStore, w0: Served) -> None:
+    def __init__(self, store: FileCommittedStore, w0: Served, refusal: str = "refused") -> None:
         super().__init__(
             CommittedWeights("0", CheckpointSource("/old")), store, Deadlines(control_s=1)
         )
-        self.w0 = w0
+        self.w0, self.refusal = w0, refusal
         self.slept: list[str] = []
+        self.loaded = False  # w0's state is reported once its load was refused
 
     async def _load(self, worker: str, source: WeightSource, expect: int | None) -> int | None:
         assert isinstance(source, CheckpointSource)
         if worker == "w0" and source.path == "/new":
-            raise RuntimeError("refused")
+            self.loaded = True
+            raise RuntimeError(self.refusal)
         if source.path == "/old":
             raise RuntimeError("a stale writer")
         return None
 
     async def _serving(self, worker: str) -> Served:
-        return self.w0 if worker == "w0" else Served("new")
+        if worker == "w0":
+            return self.w0 if self.loaded else Served("theirs")
+        return Served("new")
 
     async def _sleep(self, worker: str) -> None:
         self.slept.append(worker)
 
 
 @pytest.mark.parametrize(
-    ("w0", "left"),
+    ("w0", "refusal", "left"),
     [
-        (Served("theirs"), "it serves the committed version 'theirs'"),
+        (Served("theirs"), "refused", "it serves the committed version 'theirs'"),
         (
+            # Opened after the refit looked, before its load: the engine's refusal.
             Served("theirs", "2 UpdateWeights rounds of an update", update_open=True),
+            f"FAILED_PRECONDITION: {UPDATE_OPEN} (2 UpdateWeights round(s) sent ...",
             "it serves the committed version 'theirs', under an update its writer has open",
         ),
     ],
     ids=["whole", "update-open"],
 )
 async def test_a_worker_serving_the_committed_version_is_never_taken_out(
-    store: FileCommittedStore, w0: Served, left: str
+    store: FileCommittedStore, w0: Served, refusal: str, left: str
 ) -> None:
     store.publish(CommittedRecord(CommittedWeights("theirs", CheckpointSource("/theirs"))))
-    cycle = OnCommitted(store, w0)
+    cycle = OnCommitted(store, w0, refusal)
     with pytest.raises(RefitError) as failed:
         await cycle._run("new", CheckpointSource("/new"), "wait", True)
     assert failed.value.report.outcomes() == {"w0": Outcome.ON_COMMITTED, "w1": Outcome.REMOVED}
@@ -525,3 +532,43 @@ async def test_a_worker_an_unfinished_update_left_mixed_under_the_committed_labe
         await cycle._run("new", CheckpointSource("/new"), "wait", True)
     assert failed.value.report.outcomes() == {"w0": Outcome.REMOVED, "w1": Outcome.REMOVED}
     assert sorted(cycle.slept) == ["w0", "w1"]
+
+
+async def test_a_worker_whose_transfer_update_another_writer_has_open_is_left_to_it(
+    fleet: Fleet, store: FileCommittedStore
+) -> None:
+    """Real engine servers: worker 3 has a weight-transfer update open (a trainer
+    outside the lease, unpaused as NeMo RL's). Its engine would refuse the refit's
+    load and any resume until that update ends, so the refit does not touch it: it
+    stops at the pause, nothing sent, the others resumed, worker 3 never paused.
+    Opened between the refit's look and its load instead, the engine's refusal says
+    it is another writer's: ``test_a_worker_serving_the_committed_version_...``."""
+    before = fleet.outputs()
+    fleet.backends[3].start_weight_update = nothing  # type: ignore[method-assign]
+    theirs = fleet.stub(3)
+    theirs.StartWeightUpdate(
+        pb.StartWeightUpdateRequest(options=pb.WeightUpdateOptions(allow_unpaused=True)),
+        timeout=10,
+    )
+    async with EngineRefitClient(fleet.addresses, store=store) as trainer:
+        with pytest.raises(RefitError) as failed:
+            await trainer.refit("1", path=str(tiny_weights_dir(1)))
+    report = failed.value.report
+    assert report.outcomes() == {a: Outcome.UNCHANGED for a in fleet.addresses}
+    *others, worker = report.workers
+    assert (worker.stage, worker.paused, worker.resumed) == ("pause", False, False)
+    assert worker.error == (
+        f"{UPDATE_OPEN} (no UpdateWeights round sent yet), another writer's: left to it, not paused"
+    )
+    assert all(w.paused and w.resumed and w.error is None for w in others)
+    states = fleet.states()
+    assert [s.paused for s in states] == [False] * 4 and states[3].weight_update_open
+    assert [s.weight_changes for s in states] == [0, 0, 0, 1]  # theirs only
+    assert fleet.outputs() == before
+
+    async def finished() -> WeightLoad:
+        return WeightLoad(0, 0)
+
+    fleet.backends[3].finish_weight_update = finished  # type: ignore[method-assign]
+    theirs.FinishWeightUpdate(pb.FinishWeightUpdateRequest(), timeout=10)
+    assert not fleet.states()[3].weight_update_open

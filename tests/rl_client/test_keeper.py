@@ -207,8 +207,8 @@ async def test_weights_an_unfinished_update_left_mixed_are_pushed_whole_again(
 async def test_a_lagging_engine_with_an_update_open_is_left_to_its_writer(
     pair: Pair, trainer: EngineRefitClient
 ) -> None:
-    """Restarted, then a writer started an update on it (no round yet): a push under
-    it would meet the writer's rounds. Once the update ends, the push comes."""
+    """Restarted, then a writer started an update on it (no round yet): the engine
+    refuses a push under it. Once the update ends, the push comes."""
     await trainer.refit("1", tensors=checkpoint_tensors(tiny_weights_dir(1)))
     pair.restart(1)
     for step in ("start_weight_update", "shutdown_weight_transfer"):

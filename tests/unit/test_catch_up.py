@@ -96,8 +96,8 @@ def test_the_committed_label_on_weights_an_update_left_mixed_is_not_current(
     ids=["part way, committed label", "part way, older label", "no round yet, older label"],
 )
 def test_an_open_update_is_left_to_its_writer(label: str, mixed: str, said: str) -> None:
-    """A load under it would meet the writer's rounds, and the engine would not
-    resume until the update ends."""
+    """The engine refuses a load under it (it would land between the writer's
+    rounds), and would not resume until the update ends."""
     state = refit_state(label, declared=True, mixed=mixed, update_open=True)
     decision = decide(record(), state)
     assert decision.action is Action.WAIT
