@@ -1,16 +1,19 @@
-"""Free TCP ports on loopback, for programs that cannot report the port they bound."""
+"""Free TCP ports on loopback, for programs that cannot report the port they bound.
+
+Every draw goes through ``bridge.admin.port_claims``, which the bridges' own draws
+of their internal port use too: no two test processes (xdist workers, the low
+end's run beside the main one) or two workers of one test are handed one port
+before it is bound (seen: two bridges of one run given one system port, the second
+refused its bind).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
-import random
 import socket
-import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
+
+from bridge.admin import port_claims
 
 # Where listening ports are drawn from: above Linux's default ephemeral range
 # (32768-60999), from which every outgoing connection's source port and every
@@ -21,59 +24,8 @@ LISTEN_PORTS = range(61000, 65536)
 
 # Workers' system ports, below 32768 (Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an
 # i16) and apart from where bridges draw their internal one
-# (``bridge.admin.system_server.INTERNAL_PORTS``), so that a bridge started first
-# never draws the port a later worker of the same test is given.
+# (``bridge.admin.system_server.INTERNAL_PORTS``).
 SYSTEM_PORTS = range(10000, 20000)
-
-# A port free when drawn stays free until its program binds it, seconds later; a
-# draw in another test process (an xdist worker, the low end's run beside the main
-# one) or later in the same test could hand it out again in between (seen: two
-# bridges of one run given one system port, the second refused its bind). Every
-# draw by this user is recorded here (one file in the temp folder, which the
-# runs of one ``make test`` share), and no port is handed out twice within this
-# long, far more than any program takes to bind.
-_CLAIM_S = 900.0
-_CLAIMS = Path(tempfile.gettempdir()) / f"rollout-bridge-test-ports-{os.getuid()}"
-
-
-@contextlib.contextmanager
-def _claims() -> Iterator[dict[int, float]]:
-    """The live claims (port: when drawn), under a machine-wide lock; what the
-    caller adds is written back."""
-    with open(_CLAIMS, "a+", errors="replace") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        now = time.time()
-        claims: dict[int, float] = {}
-        for line in f.read().splitlines():  # what does not parse, or lies ahead, lapses
-            with contextlib.suppress(ValueError):
-                port, when = line.split()
-                if 0 <= now - float(when) < _CLAIM_S:
-                    claims[int(port)] = float(when)
-        yield claims
-        f.seek(0)
-        f.truncate()
-        f.write("".join(f"{port} {when}\n" for port, when in claims.items()))
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def _draw(ports: range) -> int:
-    """A port in ``ports`` free right now that no recent draw handed out."""
-    with _claims() as claims:
-        for _ in range(200):
-            port = random.choice(ports)
-            if port not in claims and _bindable(port):
-                claims[port] = time.time()
-                return port
-    raise OSError(f"no free port in [{ports.start}, {ports.stop})")
 
 
 def _ephemeral_ports() -> range:
@@ -91,7 +43,7 @@ def free_port() -> int:
     ports = range(max(LISTEN_PORTS.start, _ephemeral_ports().stop), LISTEN_PORTS.stop)
     if ports:
         with contextlib.suppress(OSError):
-            return _draw(ports)
+            return port_claims.draw(ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -102,4 +54,4 @@ def free_system_port() -> int:
     from bridge.admin.system_server import INTERNAL_PORTS
 
     assert SYSTEM_PORTS.stop <= INTERNAL_PORTS.start
-    return _draw(SYSTEM_PORTS)
+    return port_claims.draw(SYSTEM_PORTS)

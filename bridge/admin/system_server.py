@@ -35,8 +35,6 @@ import functools
 import json
 import logging
 import os
-import random
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -48,6 +46,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from bridge.admin import port_claims
 from bridge.admin.auth import auth_middleware, exposure_warning
 from bridge.admin.http_routes import HttpRoute
 from rl_client.admin_token import AdminToken
@@ -110,23 +109,19 @@ async def engine_route_body(request: web.Request) -> Any:
 # bound it by the time the runtime hands the worker over; a margin, not a wait).
 _INTERNAL_BIND_WAIT_S = 5.0
 # Where the internal port is drawn from: below 32768, where Linux hands out none of
-# its ephemeral ports. A port free when drawn can still be bound by someone else
-# (another worker's system port, say) before Dynamo binds it: SystemServer.start()
+# its ephemeral ports. No other bridge on this host is handed it meanwhile
+# (``port_claims``), but a process that picks its own ports (another worker's
+# system port, say) can still bind it before Dynamo does: SystemServer.start()
 # checks that Dynamo's server holds it.
 INTERNAL_PORTS = range(20000, _MAX_DYNAMO_PORT + 1)
 
 
 def free_dynamo_port(ports: range = INTERNAL_PORTS) -> int:
     """A loopback port in ``ports`` free right now, that Dynamo can take."""
-    for _ in range(200):
-        port = random.choice(ports)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port in [{ports.start}, {ports.stop}) for Dynamo's system server")
+    try:
+        return port_claims.draw(ports)
+    except OSError as e:
+        raise OSError(f"{e} for Dynamo's system server") from None
 
 
 def _listening_inodes(port: int) -> set[int] | None:
