@@ -43,6 +43,7 @@ from typing import Protocol
 import grpc
 
 from bridge import metrics
+from engine_contract.refit_rules import UPDATE_WAYS_OUT
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.committed import (
     CHECKPOINT,
@@ -121,9 +122,8 @@ def decide(record: CommittedRecord | None, state: pb.RefitState) -> Decision:
             Action.WAIT,
             weights,
             f"a weight-transfer update is open on the engine "
-            f"({state.weights_mixed or 'no UpdateWeights round sent yet'}): waiting for "
-            "its writer to end it (a writer that is gone: ShutdownWeightTransferEngine "
-            "ends it, or FinishWeightUpdate where the engine refuses that)",
+            f"({state.weights_mixed or 'no UpdateWeights round sent yet'}): waiting for its "
+            f"writer; {UPDATE_WAYS_OUT}",
         )
     serving = repr(state.weight_version) + ("" if state.weight_version_declared else " (initial)")
     if not whole:

@@ -65,6 +65,12 @@ STALE_WRITER = "a stale writer"
 # the engine (contract revision 12): as STALE_WRITER's, the words a client
 # recognises it by, for another writer holds the engine.
 UPDATE_OPEN = "a weight-transfer update is open"
+# How an open update ends, as every refusal and wait on one names it.
+UPDATE_WAYS_OUT = (
+    "its writer ends it (FinishWeightUpdate; a writer that is gone: "
+    "ShutdownWeightTransferEngine ends it, or FinishWeightUpdate where the engine "
+    "refuses that)"
+)
 
 
 class PhaseRefusal(enum.Enum):

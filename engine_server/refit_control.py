@@ -301,9 +301,10 @@ class RefitControl:
         """Whether to reset the prefix cache afterwards; refuses what the refit rules
         refuse (``engine_contract.refit_rules``: not paused, or unpaused with a cache
         reset; in the RL routes' words), a version it could not set (before
-        anything is loaded), and any update once the weights are unknown (a load
+        anything is loaded), any update once the weights are unknown (a load
         given up on at its deadline may still be running: nothing may load beside
-        it)."""
+        it), and any beside an open weight-transfer update (a StartWeightUpdate,
+        which calls this too, is refused first as out of order)."""
         if self.broken is not None:
             raise EngineUnavailable(f"engine is not serving: {self.broken}")
         if options.HasField("weight_version"):
@@ -314,6 +315,7 @@ class RefitControl:
         self._fence(
             options.expect_weight_changes if options.HasField("expect_weight_changes") else None
         )
+        self.transfer.refuse_a_load_beside()
         # An unpaused update resets nothing (running requests hold the cache).
         reset = options.reset_prefix_cache if options.HasField("reset_prefix_cache") else True
         return reset and refit_rules.needs_pause(options)

@@ -148,10 +148,8 @@ class TransferPhases:
         if self.update is not None:
             raise RefitRefused(
                 f"{refit_rules.UPDATE_OPEN} ({self.update.rounds} UpdateWeights round(s) "
-                "sent since StartWeightUpdate): a load now would land between its trainer's "
-                "rounds; its trainer ends it first (FinishWeightUpdate; one that is gone: "
-                "ShutdownWeightTransferEngine ends it, or FinishWeightUpdate where the "
-                "engine refuses that)"
+                "sent since StartWeightUpdate): a load now would land between its writer's "
+                f"rounds; {refit_rules.UPDATE_WAYS_OUT}"
             )
 
     def close(self) -> None:

@@ -61,7 +61,6 @@ class WeightUpdates:
         refit = self._refit
         async with refit.lock:
             reset = refit.check_update(request.options)
-            refit.transfer.refuse_a_load_beside()
             started = time.monotonic()
             path = request.path
             if self._backend.rl_capabilities().update_from_path:  # else: it says why not
@@ -112,7 +111,6 @@ class WeightUpdates:
         refit = self._refit
         async with refit.lock:
             reset = refit.check_update(options)
-            refit.transfer.refuse_a_load_beside()
             started = time.monotonic()
             limit = self._config.timeout_s
             loop = asyncio.get_running_loop()

@@ -32,7 +32,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2
 
-from engine_contract.refit_rules import pause_mode
+from engine_contract.refit_rules import UPDATE_WAYS_OUT, pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
 from rl_client.admin_token import AdminToken
@@ -411,9 +411,7 @@ class EngineRefitClient(FleetClient):
                     f"engine server {worker} has a weight-transfer update open "
                     f"({serving.weights_mixed or 'no UpdateWeights round sent yet'}): "
                     "the engine refuses a load under it (it would land between its writer's "
-                    "rounds); its writer ends it (FinishWeightUpdate; one that is gone: "
-                    "ShutdownWeightTransferEngine ends it, or FinishWeightUpdate where the "
-                    "engine refuses that)"
+                    f"rounds); {UPDATE_WAYS_OUT}"
                 )
             async with asyncio.timeout(limits.pause_s):
                 await self._pause(worker, mode, clear_cache=True)

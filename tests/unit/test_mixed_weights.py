@@ -168,9 +168,9 @@ async def test_no_checkpoint_or_tensor_load_lands_beside_an_open_update(
     changes = core.refit.weight_changes
     refused = (
         rf"a weight-transfer update is open \({rounds} UpdateWeights round\(s\) sent since "
-        r"StartWeightUpdate\): a load now .* its trainer ends it first \(FinishWeightUpdate; one "
-        r"that is gone: ShutdownWeightTransferEngine ends it, or FinishWeightUpdate where the "
-        r"engine refuses that\)"
+        r"StartWeightUpdate\): a load now would land between its writer's rounds; its writer "
+        r"ends it \(FinishWeightUpdate; a writer that is gone: ShutdownWeightTransferEngine "
+        r"ends it, or FinishWeightUpdate where the engine refuses that\)"
     )
     with pytest.raises(RefitRefused, match=refused) as path:
         await core.updates.update_from_path(from_path(model_dir))
