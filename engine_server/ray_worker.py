@@ -52,7 +52,7 @@ import ray
 from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
 from engine_server.host import DynamoEndpoint, start_dynamo_endpoint
-from engine_server.vllm_plugin import OWNER_ENV
+from engine_server.vllm_processes import before_engine_start
 from launch.private_dir import PrivateDir
 
 log = logging.getLogger(__name__)
@@ -157,8 +157,8 @@ class DynamoEngineWorker:
             from engine_server.backends.vllm._env import apply_env_defaults
 
             apply_env_defaults()
-            # Its EngineCore ends when this process does (Ray no longer kills it).
-            os.environ[OWNER_ENV] = str(os.getpid())
+            # Its EngineCore and sockets end when this process does (Ray no longer kills it).
+            before_engine_start()
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 

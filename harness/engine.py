@@ -73,9 +73,10 @@ def tiny_vllm_server(
     *flags: str,
     max_model_len: int = 1024,
     timeout: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[Proc, str]:
     """A vLLM engine server (``tiny_vllm_args``, then ``flags``) of ``model_dir`` in
-    ``group``; (proc, address) once it has its address."""
+    ``group``, ``env`` added to this process's; (proc, address) once it has its address."""
     return group.engine_server(
         name,
         "--model",
@@ -83,6 +84,7 @@ def tiny_vllm_server(
         *tiny_vllm_args(max_model_len),
         *flags,
         backend="vllm",
+        env=env,
         timeout=timeout,
     )
 

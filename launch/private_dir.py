@@ -1,7 +1,9 @@
 """The engine server's socket folder: private (0700), short enough for a unix
 socket's path, and never left behind. Used wherever we start an engine server on a
 unix socket of our choosing: the launcher (``engine_worker``), a host's own engine
-(``engine_server.host``) and a Ray actor's (``engine_server.ray_worker``).
+(``engine_server.host``) and a Ray actor's (``engine_server.ray_worker``); and for
+vLLM's own sockets, in a process that starts a vLLM engine
+(``engine_server.vllm_processes``).
 
 The refit RPCs carry no credentials of their own: the folder keeps every other
 user off the socket. Its owner removes it when it ends. A process killed outright
@@ -47,22 +49,23 @@ _WATCHER = (
 )
 
 
-def _make_folder() -> Path:
-    """A fresh 0700 folder in the temporary folder, or in /tmp where the socket's
-    path would not fit there (counted in bytes: a non-ASCII TMPDIR takes more
-    bytes than characters)."""
-    folder = Path(tempfile.mkdtemp(prefix=PREFIX))
-    if len(os.fsencode(folder / SOCKET_NAME)) > SUN_PATH_MAX:
+def _make_folder(prefix: str, longest_name: str) -> Path:
+    """A fresh 0700 folder in the temporary folder, or in /tmp where a socket named
+    ``longest_name`` would not fit there (counted in bytes: a non-ASCII TMPDIR takes
+    more bytes than characters)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    if len(os.fsencode(folder / longest_name)) > SUN_PATH_MAX:
         folder.rmdir()
-        folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir="/tmp"))
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     return folder
 
 
 class PrivateDir:
-    """The folder and its watcher; ``remove()`` when done."""
+    """The folder and its watcher; ``remove()`` when done. ``prefix`` and
+    ``longest_name``: its name's start, and the longest socket name it will hold."""
 
-    def __init__(self) -> None:
-        self.path = _make_folder()
+    def __init__(self, prefix: str = PREFIX, longest_name: str = SOCKET_NAME) -> None:
+        self.path = _make_folder(prefix, longest_name)
         self._watcher: subprocess.Popen[bytes] | None = None
         try:
             self._watcher = subprocess.Popen(

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncGenerator, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +57,7 @@ from engine_server.backends.vllm.refit import VllmRefit
 from engine_server.backends.vllm.sampling import to_sampling_params
 from engine_server.backends.vllm.weights import VllmWeights
 from engine_server.tracing import trace_headers
-from engine_server.vllm_plugin import OWNER_ENV
+from engine_server.vllm_processes import before_engine_start
 
 if TYPE_CHECKING:
     from engine_server.generation_config import GenerationConfig
@@ -235,8 +234,7 @@ class VllmBackend(VllmRefit):
                 log.warning("KV events are off in the given kv_events_config; none relayed")
             if self._kv is not None:
                 self._kv.start()
-        # vLLM's EngineCore ends with this process (engine_server.vllm_plugin).
-        os.environ[OWNER_ENV] = str(os.getpid())
+        before_engine_start()
         try:
             engine = await asyncio.to_thread(
                 AsyncLLM.from_engine_args, ea, stat_loggers=[_stat_logger_factory(self._view)]
