@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bridge.logging import SKIP_SGLANG_LOGGING_ENV
 from harness import ROOT
 from harness.ports import free_port
 from harness.waits import wait_until
@@ -241,8 +242,10 @@ class ProcessGroup:
         self, name: str, env: dict[str, str], *args: str, port: int | None = None
     ) -> tuple[Proc, str]:
         """``python -m dynamo.frontend`` on ``port`` (a free one by default); returns
-        (proc, base URL) at once."""
+        (proc, base URL) at once. Without SGLang's logging config, which Dynamo
+        would write to a new temporary file at each start and never remove."""
         port = port or free_port()
+        env = {SKIP_SGLANG_LOGGING_ENV: "1", **env}
         argv = [
             sys.executable,
             "-m",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from dynamo.runtime.logging import configure_dynamo_logging
 
 from bridge.config import MODEL_FILES, parse_args
-from bridge.logging import LOGGER_NAME, configure_bridge_logging
+from bridge.logging import LOGGER_NAME, SKIP_SGLANG_LOGGING_ENV, configure_bridge_logging
 from harness.env import ONE_MACHINE_FLAGS
 
 
@@ -121,3 +124,22 @@ def test_bridge_logger_survives_dynamo_logging_takeover(
     finally:
         root.handlers[:] = saved[1]
         root.setLevel(saved[0])
+
+
+def test_dynamos_logging_takeover_leaves_nothing_in_the_temporary_folder(
+    tmp_path: Path,
+) -> None:
+    # Left to itself, Dynamo writes SGLang's logging config there at every start.
+    program = (
+        "from bridge.logging import configure_bridge_logging; "
+        "from dynamo.runtime.logging import configure_dynamo_logging; "
+        "configure_bridge_logging(); configure_dynamo_logging()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != SKIP_SGLANG_LOGGING_ENV}
+    subprocess.run(
+        [sys.executable, "-c", program],
+        env={**env, "TMPDIR": str(tmp_path)},
+        check=True,
+        timeout=60,
+    )
+    assert list(tmp_path.iterdir()) == []
