@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -293,14 +294,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-fraction", type=float, default=0.2)
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
     parser.add_argument("--out", type=Path, default=ARTIFACTS / "soak.json")
-    parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the processes' logs when the soak passes (a failed one keeps them)",
+    )
     args = parser.parse_args(argv)
     if args.warmup_fraction + 2 * args.window_fraction > 1:
         parser.error("warm-up plus two windows must fit in the duration")
 
     root = Path(tempfile.mkdtemp(prefix="soak-"))
-    figures = asyncio.run(soak(args, root))
-    figures["logs"] = str(root / "logs")
+    try:
+        figures = asyncio.run(soak(args, root))
+    except BaseException:
+        print(f"soak ended early; logs in {root / 'logs'}", file=sys.stderr)
+        raise
+    if figures["passed"] and not args.keep_logs:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        figures["logs"] = str(root / "logs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
