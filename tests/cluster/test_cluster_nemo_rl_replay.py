@@ -48,6 +48,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from engine_server.vllm_processes import before_engine_start
 from harness.checkpoints import tiny_weights_dir
 from harness.cluster import Etcd, Nats, etcd_binary, nats_binary
 from harness.engine import tiny_vllm_args
@@ -363,6 +364,7 @@ def asyncllm_outputs(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     async def run() -> Outputs:
+        before_engine_start()  # its sockets and EngineCore go with this process
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=str(model_dir),

@@ -69,6 +69,9 @@ def make_engine(kind: str, model: str) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from engine_server.vllm_processes import before_engine_start
+
+    before_engine_start()  # its sockets and EngineCore go with this process
     return AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=model,

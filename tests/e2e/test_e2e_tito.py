@@ -22,6 +22,7 @@ import pytest
 
 from bridge.dynamo_compat import serves_token_in_token_out
 from engine_contract.v1 import engine_pb2 as pb
+from engine_server.vllm_processes import before_engine_start
 from harness.engine import tiny_vllm_args
 from harness.env import token_in_token_out_env
 from harness.http import http_json
@@ -99,6 +100,7 @@ def direct_engine(model_dir: Path, flags: list[str]) -> Direct:
     namespace = parser.parse_args(["--model", str(model_dir), *flags])
     engine_args = cli.engine_args_from_namespace(namespace)
     cli.apply_engine_defaults(engine_args, cli.chosen_engine_args(namespace))
+    before_engine_start()  # its sockets and EngineCore go with this process
     return Direct(AsyncLLM.from_engine_args(engine_args), asyncio.new_event_loop())
 
 

@@ -36,6 +36,7 @@ from engine_server.backends.base import (
 )
 from engine_server.backends.vllm import VllmBackend
 from engine_server.vllm_compat import unfinished_requests
+from engine_server.vllm_processes import before_engine_start
 from harness.ports import free_port
 from harness.waits import settle
 from tests.vllm_engine.engines import tiny_engine_args
@@ -62,6 +63,7 @@ async def host(model_dir: Path) -> Any:
     kv = KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{free_port()}"
     )
+    before_engine_start()  # its sockets and EngineCore go with this process
     engine = AsyncLLM.from_engine_args(
         tiny_engine_args(
             model_dir,

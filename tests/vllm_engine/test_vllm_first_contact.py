@@ -31,6 +31,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 import engine_contract
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from engine_server.vllm_processes import before_engine_start
 from harness.ports import free_port
 from harness.waits import WaitTimeout, wait_until
 
@@ -146,6 +147,7 @@ def nemo_rl_engine(model: Path) -> AsyncLLM:
     """The engine NeMo RL's vLLM worker builds from GENERATION (its llm_kwargs)."""
     gen = GENERATION["policy"]["generation"]
     cfg = gen["vllm_cfg"]
+    before_engine_start()  # its sockets and EngineCore go with this process
     return AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=str(model),
