@@ -52,7 +52,7 @@ import ray
 from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
 from engine_server.host import DynamoEndpoint, start_dynamo_endpoint
-from engine_server.vllm_processes import before_engine_start
+from engine_server.vllm_processes import before_engine_start, shut_down
 from launch.private_dir import PrivateDir
 
 log = logging.getLogger(__name__)
@@ -254,8 +254,8 @@ class DynamoEngineWorker:
         engine, self.engine = self.engine, None
         if isinstance(engine, EngineBackend):
             await engine.shutdown()
-        elif engine is not None:  # an AsyncLLM: its shutdown blocks
-            await asyncio.to_thread(engine.shutdown)
+        elif engine is not None:  # an AsyncLLM
+            await shut_down(engine)
         if self._socket_dir is not None:
             await self._socket_dir.remove_async()
         if exit_actor:

