@@ -29,10 +29,15 @@ log = logging.getLogger("bridge")
 # Signals that asked this process to end (seen ahead of the Rust worker's own
 # handlers, which call the handler installed before theirs).
 _asked_to_end: list[int] = []
+# The bridge, once made: told at once, so that nothing puts the worker back in
+# discovery while Dynamo's worker drains it.
+_engines: list[BridgeEngine] = []
 
 
 def _remember(signum: int, frame: FrameType | None) -> None:
     _asked_to_end.append(signum)
+    for engine in _engines:
+        engine.registration.end()
 
 
 def _restart_after_lost_lease(discovery_backend: str, argv: list[str]) -> None:
@@ -58,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by a supervisor that names itself: end with it
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _remember)
-    engines: list[BridgeEngine] = []
+    engines = _engines
 
     async def factory(args: list[str] | None) -> tuple[BridgeEngine, WorkerConfig]:
         engine, worker_config = await BridgeEngine.from_args(args)
         engines.append(engine)
+        if _asked_to_end:  # asked while it was being made
+            engine.registration.end()
         return engine, worker_config
 
     try:

@@ -97,8 +97,10 @@ class BridgeConfig(BridgeLaunch):
     # Fields with flag(...) metadata are flags (build_parser), each with its
     # environment variable (BRIDGE_ and the flag: BRIDGE_CONNECT_TIMEOUT_S); the
     # first (engine_address to exit_after_engine_gone_s) are BridgeLaunch's.
-    # Dynamo's runtime config decides it (--namespace, DYN_NAMESPACE, --endpoint).
+    # Dynamo's runtime config decides them (--namespace, DYN_NAMESPACE, --endpoint):
+    # the namespace, and the endpoint served (its component is ``component``).
     namespace: str = "dynamo"
+    endpoint: str = DEFAULT_ENDPOINT
     # How long start() waits for the engine server (a vLLM start can take minutes).
     connect_timeout_s: float = field(
         default=600.0,
@@ -369,6 +371,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, WorkerC
         "discovery_backend": str(runtime.discovery_backend),
         "namespace": runtime.namespace,
         "component": runtime.component,
+        "endpoint": runtime.endpoint,
         "request_plane": str(runtime.request_plane),
         "event_plane": runtime.event_plane,
         "admin_token": admin_token,

@@ -54,7 +54,11 @@ class BridgeEngine(LLMEngine):
 
     def __init__(self, config: BridgeConfig, system_port: SystemPort | None = None) -> None:
         self.config = config
-        self.registration = Registration(config.discovery_backend, on_lost=self._registration_lost)
+        self.registration = Registration(
+            config.discovery_backend,
+            endpoint_path=f"{config.namespace}/{config.component}/{config.endpoint}",
+            on_lost=self._registration_lost,
+        )
         self.link = EngineLink(config, self.registration)
         self.runner = RequestRunner(config, self.link)
         # What the process exits with (bridge.__main__): non-zero when the bridge

@@ -19,6 +19,14 @@ Two jobs, one owner, so they never fight:
   that stays missing makes the bridge exit with ``EXIT_REGISTRATION_LOST`` so
   that its supervisor starts a fresh one; so does a worker whose records were
   dropped before the keeper could keep them (stalled during its start-up).
+  The records kept must hold the served endpoint's own instance: the worker's
+  other endpoint (the KV router's query source) registers first, and records
+  kept without it were written back without it.
+
+Asked to end (SIGTERM, SIGINT: ``end()``), Dynamo's worker takes the endpoint
+out of discovery and serves on through its grace period and drain; from then on
+nothing here puts it back (it was "healed" back into the router's pool while it
+drained).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from bridge.tasks import cancel_and_wait
 
@@ -37,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # EX_TEMPFAIL: try again (a supervisor restarts the bridge).
 EXIT_REGISTRATION_LOST = 75
+# How the log says the records are kept (from then on they can be written back).
+RECORDS_KEPT = "registration kept"
 # What Dynamo 1.6.1's file store keeps this worker's records under (v1/...).
 _FILE_BUCKETS = ("instances", "mdc", "event_channels")
 
@@ -75,9 +86,12 @@ def _listening_ports() -> set[int]:
 class FileRecords:
     """This worker's records in the file store, kept so they can be written back."""
 
-    def __init__(self, root: Path, worker_id: int) -> None:
+    def __init__(self, root: Path, worker_id: int, endpoint_path: str = "") -> None:
         self.root = root / "v1"
         self.suffix = f"%2F{worker_id:x}"
+        # The served endpoint's instance, as its file's name reads unquoted
+        # ("<namespace>/<component>/<endpoint>/<id in hex>"); "": any instance.
+        self.served = f"{endpoint_path}/{worker_id:x}" if endpoint_path else ""
         self.saved: dict[Path, bytes] = {}
 
     @property
@@ -106,9 +120,10 @@ class FileRecords:
                     ours = any(f':{port}"' in text or f":{port}/" in text for port in ports)
                 if ours:
                     saved[path] = data
-        if not any(p.parent.name == "instances" for p in saved) or not any(
-            p.parent.name == "mdc" for p in saved
-        ):
+        instances = [unquote(p.name) for p in saved if p.parent.name == "instances"]
+        if self.served and self.served not in instances:
+            return False
+        if not instances or not any(p.parent.name == "mdc" for p in saved):
             return False
         self.saved = saved
         return True
@@ -137,12 +152,15 @@ class Registration:
         self,
         discovery_backend: str,
         *,
+        endpoint_path: str = "",
         interval_s: float = 0.5,
         lost_after_s: float = 10.0,
         capture_timeout_s: float = 20.0,
         on_lost: Callable[[], None] | None = None,
     ) -> None:
         self.discovery_backend = discovery_backend
+        # "<namespace>/<component>/<endpoint>" served ("": not known).
+        self.endpoint_path = endpoint_path
         self.interval_s = interval_s
         self.lost_after_s = lost_after_s
         self.capture_timeout_s = capture_timeout_s
@@ -156,12 +174,13 @@ class Registration:
         self._task: asyncio.Task[None] | None = None
         self.heals = 0
         self.lost = False
+        self.ending = False
 
     def start(self, endpoint: Any, worker_id: int) -> None:
         self._endpoint = endpoint
         self._worker_id = worker_id
         if self.discovery_backend == "file":
-            self._records = FileRecords(file_store_root(), worker_id)
+            self._records = FileRecords(file_store_root(), worker_id, self.endpoint_path)
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="registration")
         if not self.in_pool:  # asked to leave before the endpoint existed
             self.in_pool = True
@@ -170,6 +189,12 @@ class Registration:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+
+    def end(self) -> None:
+        """The process was asked to end: Dynamo takes the worker out of discovery to
+        drain it, and it stays out (no healing, no rejoining). Safe from a signal
+        handler."""
+        self.ending = True
 
     async def leave(self, reason: str) -> None:
         """Out of the router's pool (the model card stays registered; the frontend
@@ -189,6 +214,9 @@ class Registration:
     async def rejoin(self, reason: str) -> None:
         async with self._lock:
             if self.in_pool:
+                return
+            if self.ending:
+                log.info("not back in the router's pool (%s): this worker is ending", reason)
                 return
             if self._endpoint is not None:
                 # In the pool only once discovery took it (a failure is tried again
@@ -220,7 +248,11 @@ class Registration:
         # cannot be written back: then exit for a restart, and say why.
         started = time.monotonic()
         while records is not None and not records.capture():
-            if time.monotonic() - started > self.capture_timeout_s:
+            if self.ending:
+                return
+            if not self.in_pool:  # out of the pool, the served instance is not there
+                started = time.monotonic()
+            elif time.monotonic() - started > self.capture_timeout_s:
                 log.error(
                     "this worker's discovery records were not all there within %.0fs of "
                     "serving (dropped while it stalled starting up?): they cannot be "
@@ -231,10 +263,18 @@ class Registration:
                 self._lose()
                 return
             await asyncio.sleep(self.interval_s)
+        if records is not None:
+            log.info(
+                "%s: this worker's %d discovery records, written back if discovery drops them",
+                RECORDS_KEPT,
+                len(records.saved),
+            )
         missing_since: float | None = None
         while True:
             await asyncio.sleep(self.interval_s)
             async with self._lock:
+                if self.ending:
+                    return
                 if not self.in_pool or await self._present():
                     if missing_since is not None and self.in_pool:
                         log.info("registration is back")

@@ -4,6 +4,7 @@ its admin URL and engine address; a bridge that stops is not."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -63,3 +64,27 @@ def test_etcd_lists_the_registered_bridges_and_drops_a_stopped_one(
         print(f"\n[cluster] a stopped bridge left the listing after {took:.2f}s")
         (left,) = reader.workers()
         assert left.engine_address == addresses[1]
+
+
+def test_a_bridge_asked_to_end_stays_out_of_etcd_while_it_drains(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """SIGTERM: Dynamo's worker deletes the instance key, then serves on through its
+    grace period (5 s) and drain; the bridge's keeper once registered it again
+    within half a second, and the router sent new requests to a worker on its way out."""
+    with ProcessGroup(tmp_path / "logs") as group:
+        etcd = Etcd.start(group, tmp_path / "etcd")
+        stack = Stack.new(tmp_path, group, model_dir, "tiny-drain", NAMESPACE, etcd=etcd)
+        _, address = stack.start_engine("engine", "--decode-step-ms", "2")
+        bridge = stack.start_bridge("bridge", address, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS="5")
+        wait_until(lambda: stack.registered_workers() == 1, 60, "the worker registered", [bridge])
+        time.sleep(1.0)  # the keeper's watch running (it polls every 0.5 s)
+        bridge.signal(signal.SIGTERM)
+        wait_until(lambda: stack.registered_workers() == 0, 5, "the worker out of etcd", [])
+        counts: list[int] = []
+        while bridge.alive():
+            counts.append(stack.registered_workers())
+            time.sleep(0.1)
+        assert bridge.wait_exit(30) == 0
+        assert len(counts) > 30, "the bridge exited before its grace period ended"
+        assert set(counts) == {0}, counts

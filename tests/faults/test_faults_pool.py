@@ -14,6 +14,7 @@ the engine down; ``control/wake_up`` on an engine already awake).
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import aiohttp
 import grpc
 import pytest
 
+from bridge.registration import RECORDS_KEPT
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.http import http_json, post_rollout
@@ -145,3 +147,34 @@ def test_wake_up_route_on_an_awake_engine_puts_the_worker_back(
     assert w.engine.WakeUp(pb.WakeUpRequest(), timeout=10).awake
     assert w.route("control/wake_up")["message"] == "Engine already awake"
     assert w.workers() == 1
+
+
+async def test_a_bridge_asked_to_end_stays_out_of_the_pool_while_it_drains(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """SIGTERM: Dynamo's worker takes the endpoint out of discovery, then serves on
+    through its grace period (5 s) and drain. The bridge's keeper once wrote the
+    records back within half a second, so the router sent new requests to a worker
+    on its way out."""
+    with stack_under(tmp_path, model_dir, MODEL) as stack:
+        _, address = stack.start_engine("engine", *SIM_ARGS)
+        # Dynamo's default grace period (the harness's bridges have none).
+        bridge = stack.start_bridge("bridge", address, DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS="5")
+        stack.start_frontend()
+        stack.wait_serving(workers=1)
+
+        def workers() -> int:
+            return registered_workers(stack.kv_dir, stack.namespace)
+
+        # The keeper holds the records it would write back.
+        wait_until(lambda: RECORDS_KEPT in bridge.log_tail(200_000), 20, "records kept", [bridge])
+        bridge.signal(signal.SIGTERM)
+        wait_until(lambda: workers() == 0, 5, "the worker out of discovery", [])
+        counts: list[int] = []
+        while bridge.alive():
+            counts.append(workers())
+            await asyncio.sleep(0.1)
+        assert bridge.wait_exit(30) == 0
+        assert len(counts) > 30, "the bridge exited before its grace period ended"
+        assert set(counts) == {0}, counts
+        assert "healing" not in bridge.log_tail(200_000)
