@@ -166,33 +166,49 @@ class EngineLink:
             log.info("engine server restarted: instance %s -> %s", self.instance_id, instance_id)
             self.instance_id = instance_id
             if self._refreshing is None or self._refreshing.done():
-                self._refreshing = asyncio.ensure_future(self._refresh_info())
+                self._refreshing = asyncio.ensure_future(self._follow_restart())
+
+    async def _follow_restart(self) -> None:
+        if not await self._refresh_info():
+            await self._out_until_known("restarted")
+
+    async def _out_until_known(self, why: str) -> None:
+        """The engine server answers health but not (yet) its info: which instance
+        serves, and whether it must catch up first, is not known. Out of the pool
+        until the next probe's SERVING answer tells again (and its info is read)."""
+        await self.registration.leave(f"the engine server {why}; its info not read yet")
+        if self._watch is not None:
+            self._watch.recheck()
 
     async def _engine_changed(self, serving: bool, reason: str) -> None:
         if serving:
             metrics.RECONNECTS.inc()
-            await self._refresh_info()  # maybe another instance: adapt, or stay out
+            # Maybe another instance: adapt, or stay out.
+            if not await self._refresh_info():
+                await self._out_until_known("serves again")
+                return
             if self.unservable is None and self.held is None:
                 await self.registration.rejoin(reason)
         else:
             await self.registration.leave(reason)
 
-    async def _refresh_info(self) -> None:
+    async def _refresh_info(self) -> bool:
         """Re-read the engine server's info; adapt to a new instance, or leave the
-        pool (loudly) when Dynamo's registration cannot follow what changed."""
+        pool (loudly) when Dynamo's registration cannot follow what changed. False:
+        the server did not answer."""
         async with self._refresh_lock:  # the watch and the KV relay may both ask
-            await self._refresh()
+            return await self._refresh()
 
-    async def _refresh(self) -> None:
+    async def _refresh(self) -> bool:
         client, old, registered = self.client, self.info, self._registered
         if client is None or old is None or registered is None:
-            return
+            return True
         was_unservable = self.unservable is not None
         try:
             info = await client.server_info()
             check_compatible(info, client.address)
             if info.instance_id == old.instance_id and not was_unservable:
-                return
+                return True
             changes = unfollowable_changes(
                 registered,
                 info,
@@ -209,10 +225,10 @@ class EngineLink:
             if info.instance_id != old.instance_id:
                 self._begin_catch_up()  # a restarted engine serves its start weights
         except grpc.aio.AioRpcError:
-            return  # not answering (yet): the watch will tell
+            return False  # not answering (yet)
         except IncompatibleServerError as e:
             await self._refuse(str(e))
-            return
+            return True
         self.unservable = None
         metrics.INSTANCE_CHANGES.inc()
         rollouts, completions = self._transports()
@@ -231,6 +247,7 @@ class EngineLink:
             # Back in the pool now: a quick swap may never fail a health probe, so
             # the watch would not tell.
             await self.registration.rejoin(f"a fitting engine server is back at {client.address}")
+        return True
 
     # -- catch-up before serving ---------------------------------------------------
 

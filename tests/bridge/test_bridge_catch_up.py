@@ -221,3 +221,44 @@ def test_the_command_line_has_it_on_unless_told(
     monkeypatch.setenv("BRIDGE_CATCH_UP", "0")
     assert not parse_args(base)[0].catch_up
     assert parse_args([*base, "--catch-up"])[0].catch_up
+
+
+async def test_a_restarted_engine_server_that_withholds_its_info_stays_out_until_it_answers(
+    engine: Engine, store: FileCommittedStore, closing: list[EngineLink]
+) -> None:
+    """Health SERVING, but its info not read (GetServerInfo past its deadline, as on
+    a loaded host): the link once rejoined at once, on the restarted engine's start
+    weights, before it knew a catch-up was due."""
+    store.publish(checkpoint_record())
+    link, registration = link_for(engine.address)
+    closing.append(link)
+    await asyncio.wait_for(link.start(1, on_stalled=lambda: None), 30)
+    first = link.instance_id
+    registration.moves.clear()
+    client = link.client
+    assert client is not None
+    answer = client.server_info
+    withheld = 0
+
+    async def slow_info() -> pb.GetServerInfoResponse:
+        nonlocal withheld
+        if withheld < 3:
+            withheld += 1
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata()
+            )
+        return await answer()
+
+    engine.stop()
+    await wait_until_async(lambda: not link.serving, 30, "the watch to see it down")
+    client.server_info = slow_info  # type: ignore[method-assign]
+    engine.start()
+    await wait_until_async(
+        lambda: link.instance_id != first and registration.in_pool,
+        30,
+        "the link to catch the new instance up",
+        interval=0.02,
+    )
+    assert withheld == 3
+    assert refit_state(engine.address).weight_version == "1"
+    assert [v for move, v in registration.moves if move == "rejoin"] == ["1"], registration.moves
