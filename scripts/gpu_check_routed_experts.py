@@ -67,8 +67,11 @@ async def vllm_direct(model_dir: Path, dtype: str) -> list[dict[str, Any]]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from engine_server.vllm_processes import before_engine_start
+
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     namespace = parser.parse_args(["--model", str(model_dir), *engine_flags(dtype)])
+    before_engine_start()  # vLLM's socket files go with this process
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(namespace))
     results: list[dict[str, Any]] = []
     try:
