@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 
 # The longest tensor name a manifest may carry (a checkpoint's names are short).
 MAX_TENSOR_NAME_LENGTH = 1024
+# How long a tensor stream's end waits before its weights are committed. gRPC's
+# asyncio server ends the request stream alike when the client half-closes it and
+# when the client dies (killed after its last chunk, before closing): only the
+# handler's cancellation, a moment later, tells the death apart. Measured: 0.1 ms
+# after the end on an idle machine; nothing is committed before this has passed.
+END_SETTLE_S = 0.1
 
 _Message = pb.UpdateWeightsFromTensorsRequest | Undecodable
 
@@ -161,6 +167,8 @@ class _Chunks:
                     f"{sizes[index]} bytes ({len(specs) - index} tensors incomplete); "
                     "nothing was loaded",
                 )
+            # A client that died here is cancelled now: nothing of its is committed.
+            await asyncio.sleep(END_SETTLE_S)
             raise StopAsyncIteration
         if isinstance(message, Undecodable):
             raise InvalidRequest("UpdateWeightsFromTensorsRequest", str(message))

@@ -1,11 +1,15 @@
 """Issue 28, engine side, on a real sim engine-server process over real gRPC: the
-folders weight updates may load from (``--weights-allowed-dir``), and version
-labels that are not printable text (refused on every RPC that sets one, never
-in /metrics)."""
+folders weight updates may load from (``--weights-allowed-dir``), version labels
+that are not printable text (refused on every RPC that sets one, never in
+/metrics), and a streamed update whose trainer dies before closing its stream."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness import ROOT
 from harness.checkpoints import tiny_weights_dir
 from harness.engine import greedy_rollout, tokens_and_logprobs
 from harness.ports import free_port
@@ -31,6 +36,7 @@ BAD_LABELS = {"U+0000": "v\x001", "U+000A": "v\n1", "U+202E": "v\u202e1"}
 
 @dataclass
 class Server:
+    address: str
     stub: pb_grpc.EngineServiceStub
     health: health_pb2_grpc.HealthStub
     metrics_url: str
@@ -64,6 +70,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         )
         with grpc.insecure_channel(address) as channel:
             yield Server(
+                address,
                 pb_grpc.EngineServiceStub(channel),
                 health_pb2_grpc.HealthStub(channel),
                 f"http://127.0.0.1:{port}/metrics",
@@ -159,3 +166,53 @@ def test_labels_that_are_not_printable_are_refused_on_every_rpc(
         text = response.read()
     assert b"\x00" not in text and "\u202e".encode() not in text
     assert f'engine_server_weight_version_info{{version="{version}"}}'.encode() in text
+
+
+# A trainer that streams a whole checkpoint unpaused, then hangs without closing
+# its stream (it is killed there).
+STREAMER = """
+import sys, time, grpc
+from pathlib import Path
+from engine_contract.tensors import update_requests
+from engine_contract.v1 import engine_pb2_grpc as pb_grpc
+from harness.checkpoints import checkpoint_tensors
+
+def stream():
+    yield from update_requests(
+        checkpoint_tensors(Path(sys.argv[2])), allow_unpaused=True, reset_prefix_cache=False
+    )
+    print("sent", flush=True)
+    time.sleep(3600)
+
+stub = pb_grpc.EngineServiceStub(grpc.insecure_channel(sys.argv[1]))
+stub.UpdateWeightsFromTensors(stream())
+"""
+
+
+def test_a_trainer_killed_after_its_last_chunk_but_before_closing_loads_nothing(
+    server: Server,
+) -> None:
+    """gRPC ends the request stream alike for a half-close and for a client's death;
+    the server committed such a dead trainer's weights (under the label already
+    set) when every byte had arrived."""
+    before = greedy(server.stub)
+    state = server.stub.GetLoad(pb.GetLoadRequest(), timeout=10).refit_state
+    streamer = subprocess.Popen(
+        [sys.executable, "-c", STREAMER, server.address, str(server.allowed / "seed1")],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert streamer.stdout is not None
+        assert streamer.stdout.readline() == b"sent\n"
+        time.sleep(1.0)  # every byte read by the server, which waits for the close
+    finally:
+        streamer.kill()
+        streamer.wait()
+    time.sleep(1.0)
+    after = server.stub.GetLoad(pb.GetLoadRequest(), timeout=10).refit_state
+    assert (after.weight_changes, after.weight_version) == (
+        state.weight_changes,
+        state.weight_version,
+    )
+    assert greedy(server.stub) == before
