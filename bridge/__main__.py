@@ -63,11 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by a supervisor that names itself: end with it
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _remember)
-    engines = _engines
 
     async def factory(args: list[str] | None) -> tuple[BridgeEngine, WorkerConfig]:
         engine, worker_config = await BridgeEngine.from_args(args)
-        engines.append(engine)
+        _engines.append(engine)
         if _asked_to_end:  # asked while it was being made
             engine.registration.end()
         return engine, worker_config
@@ -77,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # start-up failures arrive wrapped by Dynamo's Rust worker
         print(f"bridge: {e}", file=sys.stderr)
         return 1
-    if engines and engines[0].exit_code == 0:
+    if _engines and _engines[0].exit_code == 0:
         _restart_after_lost_lease(
-            engines[0].config.discovery_backend, sys.argv[1:] if argv is None else argv
+            _engines[0].config.discovery_backend, sys.argv[1:] if argv is None else argv
         )
     # Non-zero when the bridge gave up its registration (a supervisor restarts it).
-    return engines[0].exit_code if engines else 0
+    return _engines[0].exit_code if _engines else 0
 
 
 if __name__ == "__main__":

@@ -132,6 +132,19 @@ def checkpoint_record(version: str = "1") -> CommittedRecord:
     return CommittedRecord(CommittedWeights(version, CheckpointSource(str(tiny_weights_dir(1)))))
 
 
+async def started_on_the_record(
+    engine: Engine, store: FileCommittedStore, closing: list[EngineLink]
+) -> tuple[EngineLink, Recording]:
+    """A link started once its engine serves the committed checkpoint "1", its moves
+    so far forgotten."""
+    store.publish(checkpoint_record())
+    link, registration = link_for(engine.address)
+    closing.append(link)
+    await asyncio.wait_for(link.start(1, on_stalled=lambda: None), 30)
+    registration.moves.clear()
+    return link, registration
+
+
 async def test_start_returns_once_the_committed_checkpoint_serves(
     engine: Engine, store: FileCommittedStore, closing: list[EngineLink]
 ) -> None:
@@ -172,12 +185,8 @@ async def test_start_waits_for_the_trainer_to_push_its_weights(
 async def test_a_restarted_engine_server_is_out_of_the_pool_until_it_caught_up(
     engine: Engine, store: FileCommittedStore, closing: list[EngineLink]
 ) -> None:
-    store.publish(checkpoint_record())
-    link, registration = link_for(engine.address)
-    closing.append(link)
-    await asyncio.wait_for(link.start(1, on_stalled=lambda: None), 30)
+    link, registration = await started_on_the_record(engine, store, closing)
     first = link.instance_id
-    registration.moves.clear()
 
     # Restarted on its address ("default", paused), down long enough for the watch
     # to see it (a process restart is; a quicker one the KV stream reports).
@@ -229,12 +238,8 @@ async def test_a_restarted_engine_server_that_withholds_its_info_stays_out_until
     """Health SERVING, but its info not read (GetServerInfo past its deadline, as on
     a loaded host): the link once rejoined at once, on the restarted engine's start
     weights, before it knew a catch-up was due."""
-    store.publish(checkpoint_record())
-    link, registration = link_for(engine.address)
-    closing.append(link)
-    await asyncio.wait_for(link.start(1, on_stalled=lambda: None), 30)
+    link, registration = await started_on_the_record(engine, store, closing)
     first = link.instance_id
-    registration.moves.clear()
     client = link.client
     assert client is not None
     answer = client.server_info
