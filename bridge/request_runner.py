@@ -2,6 +2,10 @@
 
 Every request in flight is in one table, keyed by Dynamo's context id, so that
 an abort, a stalled engine server or the shutdown can find and stop its call.
+The id alone does not name one call: the frontend's migration sends a failed
+request again under the same id, often to the same worker, and a kill meant for
+the earlier attempt can arrive while the next one runs. An abort therefore stops
+only a call whose own context Dynamo stopped or killed.
 How a call ended is decided in one place for both kinds, because the same
 cancelled call means different things: the client aborted it (answer
 "cancelled"), the bridge failed it for a stalled server (retryable), or the
@@ -59,6 +63,12 @@ class InFlight:
     context_id: str = ""
     # The request's W3C trace context (traceparent, tracestate), if Dynamo has one.
     trace: Mapping[str, str] | None = None
+    # This attempt's own context: Dynamo hands abort() another object for it.
+    context: Context | None = None
+
+    def ended_by_dynamo(self) -> bool:
+        """Whether Dynamo stopped or killed this attempt (not only one of its id)."""
+        return self.context is None or self.context.is_stopped() or self.context.is_killed()
 
 
 class RequestRunner:
@@ -106,11 +116,12 @@ class RequestRunner:
                 (trace or {}).get("traceparent", "-"),
                 {k: v for k, v in request.items() if k != "token_ids"},
             )
-        entry = InFlight(request_id, context_id=context_id, trace=trace)
+        entry = InFlight(request_id, context_id=context_id, trace=trace, context=context)
         self._inflight[context_id] = entry
         prompt_tokens = len(request.get("token_ids") or ())
         try:
             if context.is_stopped():
+                log.debug("request %s: stopped before it started", context_id)
                 yield codec.cancelled_chunk(prompt_tokens)
                 return
             chunks = (
@@ -135,6 +146,7 @@ class RequestRunner:
             else:
                 if not entry.aborted:
                     raise errors.stream_ended_early()
+            log.debug("request %s: aborted (%d tokens so far)", context_id, generated)
             yield codec.cancelled_chunk(prompt_tokens, generated)  # the client aborted it
         finally:
             # Dynamo closes the stream early on a client disconnect or a stop string;
@@ -144,7 +156,8 @@ class RequestRunner:
                 log.debug(
                     "request %s: stream closed early, engine call cancelled", entry.request_id
                 )
-            self._inflight.pop(context_id, None)
+            if self._inflight.get(context_id) is entry:  # not a later attempt's
+                del self._inflight[context_id]
 
     def _failure(self, entry: InFlight, exc: BaseException) -> BaseException | None:
         """What a failed engine call means: None when the client aborted it; the
@@ -291,6 +304,10 @@ class RequestRunner:
         client = self.link.client
         if entry is None or entry.aborted or client is None:
             log.debug("abort %s: nothing in flight", context.id())
+            return
+        if not entry.ended_by_dynamo():
+            # A migrated request's earlier attempt, killed late: this one goes on.
+            log.debug("abort %s: for an earlier attempt; the one in flight goes on", context.id())
             return
         entry.aborted = True
         if entry.call is not None:

@@ -21,7 +21,7 @@ import grpc
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.cluster import Etcd, Nats, cluster_env
 from harness.env import blocking_env, dynamo_env
-from harness.http import wait_for_model
+from harness.http import routed_to, wait_for_model
 from harness.procs import Proc, ProcessGroup, Role
 from harness.waits import wait_until
 
@@ -201,6 +201,21 @@ class Stack:
             procs,
         )
         wait_for_model(self.base_url, self.model, procs, timeout)
+
+    def wait_routed(self, workers: int, timeout: float = 30.0) -> None:
+        """Until the frontend's router has sent a short completion to each of
+        ``workers`` workers. Registered is not yet routed to: the frontend learns of
+        each instance from its own discovery watch, a moment later (a frontend
+        choosing round-robin or at random; a KV router may keep to one)."""
+        procs = [p for p in self.procs if p.alive()]
+        reached: set[int] = set()
+
+        def all_reached() -> bool:
+            prompt = [5, 6, 7 + len(reached)]
+            reached.add(int(routed_to(self.base_url, self.model, prompt)["decode_worker_id"]))
+            return len(reached) >= workers
+
+        wait_until(all_reached, timeout, f"the frontend routing to {workers} workers", procs)
 
     def registered_workers(self, namespace: str | None = None) -> int:
         """Worker instances registered for ``namespace``'s generate endpoint now."""

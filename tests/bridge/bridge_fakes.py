@@ -41,7 +41,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     instance_id: str = "inst-1"
     # When set, Rollout/Generate fail with this status and message.
     fail_with: tuple[grpc.StatusCode, str] | None = None
-    # Rollout waits for this event (or its abort) before answering.
+    # Rollout waits for its abort (or its release) before answering.
     hold_rollout: bool = False
     generate_tokens: int = 4
     generate_delay_s: float = 0.0
@@ -63,6 +63,8 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
     # GetLoad calls answered.
     loads: int = 0
     _released: dict[str, asyncio.Event] = field(default_factory=dict)
+    # Held rollouts let go to finish as they would have (not aborted).
+    _finish: set[str] = field(default_factory=set)
 
     def info(self) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(
@@ -128,11 +130,12 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             if self.hold_rollout:
                 event = self._released.setdefault(request.request_id, asyncio.Event())
                 await event.wait()
-                return pb.RolloutResponse(
-                    request_id=request.request_id,
-                    finish_reason=pb.FINISH_REASON_ABORTED,
-                    instance_id=self.instance_id,
-                )
+                if request.request_id not in self._finish:
+                    return pb.RolloutResponse(
+                        request_id=request.request_id,
+                        finish_reason=pb.FINISH_REASON_ABORTED,
+                        instance_id=self.instance_id,
+                    )
             tokens = [t + 1 for t in request.prompt_token_ids][: request.max_new_tokens or 3]
             return pb.RolloutResponse(
                 request_id=request.request_id,
@@ -186,6 +189,11 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             )
         finally:
             self.running.discard(request.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Let a held rollout finish as it would have."""
+        self._finish.add(request_id)
+        self._released.setdefault(request_id, asyncio.Event()).set()
 
     async def Abort(self, request: Any, context: Any) -> pb.AbortResponse:
         self.aborts.append(request)

@@ -188,6 +188,30 @@ async def test_abort_cancels_and_tells_the_engine(
     assert engine.inflight_request_ids() == []
 
 
+async def test_an_abort_for_an_earlier_attempt_of_a_migrated_request_stops_nothing(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    """The frontend's migration sends a failed request again under the same context
+    id, often to the same worker; the kill of the failed attempt can reach the
+    worker after the next attempt started. Only the attempt Dynamo ended stops."""
+    server, engine = served
+    server.engine.hold_rollout = True
+    rollout = {"token_ids": [1, 2], "annotations": ["rollout:{}"]}
+    again = Context(id="migrated")
+    task = asyncio.create_task(collect(engine, rollout, again))
+    await wait_until_async(lambda: server.engine.running, 5, "the second attempt running")
+    earlier = Context(id="migrated")
+    earlier.stop_generating()
+    await engine.abort(earlier)
+    assert server.engine.aborts == []
+    assert not task.done()
+    server.engine.release("migrated")
+    chunks = await asyncio.wait_for(task, 5)
+    assert chunks[-1]["finish_reason"] == "length"
+    assert wire.WIRE_KEY in chunks[-1]["engine_data"]
+    assert engine.inflight_request_ids() == []
+
+
 async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
     server = FakeServer(FakeEngine(generate_tokens=1000, generate_delay_s=0.01))
     await server.__aenter__()

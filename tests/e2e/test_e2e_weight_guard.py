@@ -81,6 +81,7 @@ def guard_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> It
         # A refused rollout goes to the other worker (it may pick the same one again).
         stack.start_frontend("--migration-limit", "8")
         stack.wait_serving(workers=2, timeout=60)
+        stack.wait_routed(workers=2)
         yield GuardStack(stack, admins, addresses, metrics)
 
 
