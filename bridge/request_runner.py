@@ -1,11 +1,11 @@
 """RequestRunner: turns each Dynamo request into one Rollout or Generate call.
 
-Every request in flight is in one table, keyed by Dynamo's context id, so that
-an abort, a stalled engine server or the shutdown can find and stop its call.
-The id alone does not name one call: the frontend's migration sends a failed
-request again under the same id, often to the same worker, and a kill meant for
-the earlier attempt can arrive while the next one runs. An abort therefore stops
-only a call whose own context Dynamo stopped or killed.
+Every request in flight is in one table, under Dynamo's context id, so that an
+abort, a stalled engine server or the shutdown can find and stop its call. The
+id alone does not name one call: the frontend's migration sends a failed request
+again under the same id, often to the same worker, and a kill meant for the
+earlier attempt can arrive while the next one runs. So the table keeps each
+attempt, and an abort stops only those whose own context Dynamo stopped or killed.
 How a call ended is decided in one place for both kinds, because the same
 cancelled call means different things: the client aborted it (answer
 "cancelled"), the bridge failed it for a stalled server (retryable), or the
@@ -50,9 +50,10 @@ class _Call(Protocol):
     def done(self) -> bool: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class InFlight:
-    """One engine request, so that abort() can find and stop it."""
+    """One engine request, so that abort() can find and stop it (each one itself:
+    two attempts of a migrated request may look alike)."""
 
     request_id: str
     call: _Call | None = None
@@ -78,8 +79,8 @@ class RequestRunner:
     def __init__(self, config: BridgeConfig, link: EngineLink) -> None:
         self.config = config
         self.link = link
-        # Keyed by Dynamo's context id.
-        self._inflight: dict[str, InFlight] = {}
+        # Dynamo's context id -> its attempts here (more than one: a migrated request).
+        self._inflight: dict[str, list[InFlight]] = {}
         self._text = RolloutText(config.model_path)
 
     async def run(
@@ -117,7 +118,7 @@ class RequestRunner:
                 {k: v for k, v in request.items() if k != "token_ids"},
             )
         entry = InFlight(request_id, context_id=context_id, trace=trace, context=context)
-        self._inflight[context_id] = entry
+        self._inflight.setdefault(context_id, []).append(entry)
         prompt_tokens = len(request.get("token_ids") or ())
         try:
             if context.is_stopped():
@@ -156,7 +157,9 @@ class RequestRunner:
                 log.debug(
                     "request %s: stream closed early, engine call cancelled", entry.request_id
                 )
-            if self._inflight.get(context_id) is entry:  # not a later attempt's
+            attempts = self._inflight[context_id]
+            attempts.remove(entry)
+            if not attempts:
                 del self._inflight[context_id]
 
     def _failure(self, entry: InFlight, exc: BaseException) -> BaseException | None:
@@ -300,18 +303,28 @@ class RequestRunner:
 
     async def abort(self, context: Context) -> None:
         """Cancel the RPC and tell the engine to abort (the same request, this instance)."""
-        entry = self._inflight.get(context.id())
+        attempts = self._inflight.get(context.id(), [])
+        ended = [e for e in attempts if not e.aborted and e.ended_by_dynamo()]
         client = self.link.client
-        if entry is None or entry.aborted or client is None:
-            log.debug("abort %s: nothing in flight", context.id())
+        if not ended or client is None:
+            # None, or a migrated request's earlier attempt killed late: the one
+            # running goes on.
+            log.debug("abort %s: nothing in flight (%d attempts on)", context.id(), len(attempts))
             return
-        if not entry.ended_by_dynamo():
-            # A migrated request's earlier attempt, killed late: this one goes on.
-            log.debug("abort %s: for an earlier attempt; the one in flight goes on", context.id())
-            return
-        entry.aborted = True
+        for entry in ended:
+            entry.aborted = True
+        running = [e for e in attempts if not e.aborted]
+        for entry in ended:
+            await self._abort(client, entry, running)
+
+    async def _abort(self, client: EngineClient, entry: InFlight, running: list[InFlight]) -> None:
+        """End ``entry``'s call, and its engine request unless ``running`` shares its id."""
         if entry.call is not None:
             entry.call.cancel()
+        if any(e.request_id == entry.request_id for e in running):
+            # The engine knows both by one id: the cancelled call alone ends this one.
+            log.debug("abort %s: call cancelled (a later attempt runs)", entry.request_id)
+            return
         try:
             outcome = await client.abort(entry.request_id, self.link.instance_id)
             log.debug("abort %s: %s", entry.request_id, pb.AbortOutcome.Name(outcome.outcome))
@@ -323,7 +336,7 @@ class RequestRunner:
     def fail_stalled(self) -> None:
         """The engine server has not answered for the stall timeout: fail what waits
         on it (retryable), so that nothing hangs until TCP keepalive gives up."""
-        stuck = [e for e in self._inflight.values() if e.call is not None and not e.call.done()]
+        stuck = [e for e in self._entries() if e.call is not None and not e.call.done()]
         for entry in stuck:
             entry.stalled = True
             if entry.call is not None:
@@ -338,9 +351,12 @@ class RequestRunner:
 
     def cancel_all(self) -> None:
         """Cancel every call in flight (shutdown)."""
-        for entry in self._inflight.values():
+        for entry in self._entries():
             if entry.call is not None:
                 entry.call.cancel()
+
+    def _entries(self) -> list[InFlight]:
+        return [entry for attempts in self._inflight.values() for entry in attempts]
 
     def _routed_rank(self, request: GenerateRequest) -> int | None:
         info = self.link.info
@@ -351,11 +367,11 @@ class RequestRunner:
 
     def engine_request_id(self, request_id: str) -> str:
         """The engine request a Dynamo request id runs as (the same id otherwise)."""
-        entry = self._inflight.get(request_id)
-        return entry.request_id if entry is not None else request_id
+        attempts = self._inflight.get(request_id)
+        return attempts[-1].request_id if attempts else request_id
 
     def inflight_request_ids(self) -> Sequence[str]:
-        return [e.request_id for e in self._inflight.values()]
+        return [e.request_id for e in self._entries()]
 
 
 def _trace_context(context: Context) -> Mapping[str, str] | None:

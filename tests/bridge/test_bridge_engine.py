@@ -212,6 +212,31 @@ async def test_an_abort_for_an_earlier_attempt_of_a_migrated_request_stops_nothi
     assert engine.inflight_request_ids() == []
 
 
+async def test_an_abort_ends_the_attempt_dynamo_ended_and_leaves_the_later_one(
+    served: tuple[FakeServer, BridgeEngine],
+) -> None:
+    """Both attempts of a migrated request still here (the first one's stream
+    broke while its call ran): the abort of the first ends it alone, by
+    cancelling its call; an engine abort by the id they share would end both."""
+    server, engine = served
+    server.engine.hold_rollout = True
+    rollout = {"token_ids": [1, 2], "annotations": ["rollout:{}"]}
+    first, again = Context(id="overlap"), Context(id="overlap")
+    first_task = asyncio.create_task(collect(engine, rollout, first))
+    await wait_until_async(lambda: len(server.engine.rollouts) == 1, 5, "the first attempt")
+    again_task = asyncio.create_task(collect(engine, rollout, again))
+    await wait_until_async(lambda: len(server.engine.rollouts) == 2, 5, "the second attempt")
+    first.stop_generating()
+    await engine.abort(first)
+    assert (await asyncio.wait_for(first_task, 5))[-1]["finish_reason"] == "cancelled"
+    assert server.engine.aborts == []
+    assert not again_task.done()
+    server.engine.release("overlap")
+    chunks = await asyncio.wait_for(again_task, 5)
+    assert wire.WIRE_KEY in chunks[-1]["engine_data"]
+    assert engine.inflight_request_ids() == []
+
+
 async def test_lost_engine_server_is_disconnected_not_a_hang() -> None:
     server = FakeServer(FakeEngine(generate_tokens=1000, generate_delay_s=0.01))
     await server.__aenter__()
