@@ -56,6 +56,8 @@ class InFlight:
     two attempts of a migrated request may look alike)."""
 
     request_id: str
+    # This attempt's own context: Dynamo hands abort() another object for it.
+    context: Context
     call: _Call | None = None
     aborted: bool = False
     # Failed by the bridge itself: the engine server stopped answering.
@@ -64,12 +66,10 @@ class InFlight:
     context_id: str = ""
     # The request's W3C trace context (traceparent, tracestate), if Dynamo has one.
     trace: Mapping[str, str] | None = None
-    # This attempt's own context: Dynamo hands abort() another object for it.
-    context: Context | None = None
 
     def ended_by_dynamo(self) -> bool:
         """Whether Dynamo stopped or killed this attempt (not only one of its id)."""
-        return self.context is None or self.context.is_stopped() or self.context.is_killed()
+        return self.context.is_stopped() or self.context.is_killed()
 
 
 class RequestRunner:
@@ -117,7 +117,7 @@ class RequestRunner:
                 (trace or {}).get("traceparent", "-"),
                 {k: v for k, v in request.items() if k != "token_ids"},
             )
-        entry = InFlight(request_id, context_id=context_id, trace=trace, context=context)
+        entry = InFlight(request_id, context, context_id=context_id, trace=trace)
         self._inflight.setdefault(context_id, []).append(entry)
         prompt_tokens = len(request.get("token_ids") or ())
         try:
