@@ -10,6 +10,17 @@ within half a second of its death (its own workers follow: vLLM's death pipe);
 one whose engine server died before the plugin ran (killed while vLLM started)
 ends at once.
 
+``freeze_heap_at_exit``: a vLLM process started under an engine server (its
+EngineCore, its workers) ends with a clean ``sys.exit``, and the interpreter's
+finalization then scans the whole heap (torch, vLLM, transformers, the model's
+objects) for cycles: on this project's CPU machines an EngineCore took about 3 s
+to exit after its shutdown had finished, and an engine server's stop waited for
+it (5.1 s from SIGTERM to exit, 2.4 s without that scan). The plugin freezes the
+heap as the last exit handler, as vLLM itself does on ROCm after a clean
+shutdown: its own handlers have run, and what is left is freed by the process's
+end. Objects are still freed by reference counting; only cycles the collector
+would have broken at exit are left to the OS.
+
 ``request_amx_permission``:
 
 vLLM's CPU kernels use Intel AMX tiles for bfloat16 (its CPU attention picks
@@ -37,6 +48,8 @@ plugins in every process it starts.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import platform
@@ -87,6 +100,14 @@ def end_with_engine_server() -> None:
     threading.Thread(
         target=watch, args=(int(owner),), name="end-with-engine-server", daemon=True
     ).start()
+
+
+def freeze_heap_at_exit() -> None:
+    owner = os.environ.get(OWNER_ENV, "")
+    if not owner.isdigit() or int(owner) == os.getpid():
+        return  # not a process vLLM started under an engine server
+    # Registered now, it runs after every handler registered later (LIFO).
+    atexit.register(gc.freeze)
 
 
 def request_amx_permission() -> None:

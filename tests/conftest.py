@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from harness.tiny_model import tiny_model_dir
+from tests import work_units
 
 # vLLM's CPU build computes on OpenMP threads that, by default, spin for a while after
 # each parallel region instead of sleeping. The suite runs engines side by side on
@@ -29,31 +30,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the conformance suite against this running engine server "
         "(HOST:PORT or unix:PATH) instead of the servers the suite starts itself",
     )
-
-
-# Folders whose files share session-scoped, parametrized servers (the conformance
-# suite's engine servers, one per kind). pytest orders a session's tests so that each
-# server starts once; on xdist workers, a file per work unit, every file started them
-# all again (the vLLM one: eleven start-ups instead of one, about 24 CPU-seconds
-# each). Each such folder is one work unit instead, run in pytest's order on one worker.
-ONE_WORK_UNIT = ("tests/conformance/",)
+    parser.addoption(
+        "--record-unit-seconds",
+        action="store_true",
+        help="merge each work unit's seconds in this run into tests/unit_seconds.json, "
+        "the order xdist runs hand units out in (tests/work_units.py)",
+    )
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it, never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile``, but each ``ONE_WORK_UNIT`` folder is one unit."""
+    """``--dist loadfile``, but each ``ONE_WORK_UNIT`` folder is one unit, and the
+    units go out in the workers' collection order: heaviest first (``work_units``)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    config.option.loadscopereorder = False  # xdist's own order: by test count
+
     class FolderUnits(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            for folder in ONE_WORK_UNIT:
-                if nodeid.startswith(folder):
-                    return folder
-            return super()._split_scope(nodeid)
+            return work_units.unit_of(nodeid)
 
     return FolderUnits(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own order (session-scoped parameters)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the scheduler takes this order
+        items[:] = work_units.heaviest_first(items, work_units.read_seconds())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("record_unit_seconds") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(work_units.UnitClock(), "unit-clock")
 
 
 @pytest.fixture(scope="session")

@@ -317,13 +317,19 @@ def preflight(path: str, allowed: tuple[Path, ...]) -> str:
     return resolved
 
 
+PATH_SHOWN = 300
+
+
 def _check_allowed(path: str, resolved: str, allowed: tuple[Path, ...]) -> None:
     roots = [os.path.realpath(folder) for folder in allowed]
     if any(os.path.commonpath([root, resolved]) == root for root in roots):
         return
+    # Folders are quoted up to PATH_SHOWN characters: a checkpoint folder's path is
+    # often longer than a clipped value's 80, and the operator needs all of it.
     raise FolderNotAllowed(
-        f"path: {clip(path)} resolves to {clip(resolved)}, outside the folders weight "
-        f"updates may load from (--weights-allowed-dir {', '.join(clip(r) for r in roots)}); "
+        f"path: {clip(path, PATH_SHOWN)} resolves to {clip(resolved, PATH_SHOWN)}, outside the "
+        "folders weight updates may load from (--weights-allowed-dir "
+        f"{', '.join(clip(r, PATH_SHOWN) for r in roots)}); "
         "nothing was loaded, the old weights still serve"
     )
 

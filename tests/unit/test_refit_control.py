@@ -357,6 +357,18 @@ def folders(tmp_path: Path) -> tuple[Path, Path]:
     return allowed, outside
 
 
+def test_a_refusal_names_long_folders_whole(tmp_path: Path) -> None:
+    # Checkpoint folders are often longer than a clipped value (80 characters).
+    allowed = tmp_path / ("checkpoints-" + "a" * 120)
+    asked = tmp_path / ("outside-" + "b" * 120) / "step_000120"
+    for folder in (allowed, asked):
+        folder.mkdir(parents=True)
+    with pytest.raises(checkpoint.FolderNotAllowed) as denied:
+        checkpoint.preflight(str(asked), (allowed,))
+    assert repr(str(allowed)) in str(denied.value)
+    assert repr(str(asked)) in str(denied.value)
+
+
 async def test_the_allow_list_holds_the_resolved_path(
     model_dir: Path, folders: tuple[Path, Path], tmp_path: Path
 ) -> None:
