@@ -15,7 +15,7 @@ EngineCore, its workers) ends with a clean ``sys.exit``, and the interpreter's
 finalization then scans the whole heap (torch, vLLM, transformers, the model's
 objects) for cycles: on this project's CPU machines an EngineCore took about 3 s
 to exit after its shutdown had finished, and an engine server's stop waited for
-it (5.1 s from SIGTERM to exit, 2.4 s without that scan). The plugin freezes the
+it (5-6 s from SIGTERM to exit, about 2 s without that scan). The plugin freezes the
 heap as the last exit handler, as vLLM itself does on ROCm after a clean
 shutdown: its own handlers have run, and what is left is freed by the process's
 end. Objects are still freed by reference counting; only cycles the collector
