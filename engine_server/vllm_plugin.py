@@ -79,12 +79,21 @@ def _alive(pid: int) -> bool:
         return True  # no /proc: it answered the signal
 
 
-def end_with_engine_server() -> None:
+def _engine_server_pid() -> int | None:
+    """The engine server this process was started under; None outside one, and in
+    the engine server itself."""
     owner = os.environ.get(OWNER_ENV, "")
     if not owner.isdigit() or int(owner) == os.getpid():
-        return  # not started under an engine server, or the engine server itself
-    if os.getppid() != int(owner):
-        if _alive(int(owner)):
+        return None
+    return int(owner)
+
+
+def end_with_engine_server() -> None:
+    owner = _engine_server_pid()
+    if owner is None:
+        return
+    if os.getppid() != owner:
+        if _alive(owner):
             return  # a grandchild, or a process the engine server did not start
         # Its engine server died while vLLM was starting this process (an actor
         # killed mid start-up): nobody would ever end it.
@@ -98,14 +107,13 @@ def end_with_engine_server() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(
-        target=watch, args=(int(owner),), name="end-with-engine-server", daemon=True
+        target=watch, args=(owner,), name="end-with-engine-server", daemon=True
     ).start()
 
 
 def freeze_heap_at_exit() -> None:
-    owner = os.environ.get(OWNER_ENV, "")
-    if not owner.isdigit() or int(owner) == os.getpid():
-        return  # not a process vLLM started under an engine server
+    if _engine_server_pid() is None:
+        return
     # Registered now, it runs after every handler registered later (LIFO).
     atexit.register(gc.freeze)
 

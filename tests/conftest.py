@@ -46,7 +46,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    config.option.loadscopereorder = False  # xdist's own order: by test count
+    config.option.loadscopereorder = False  # off: xdist would order units by test count
 
     class FolderUnits(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
