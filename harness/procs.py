@@ -37,6 +37,21 @@ class Role(enum.Enum):
     OTHER = "other"
 
 
+def keep_niceness(pid: int) -> None:
+    """Give the new session ``pid`` leads this process's niceness.
+
+    Where the kernel groups processes by session for scheduling (autogroup, on by
+    default on many distributions), a process's nice value only ranks it within its
+    session: a test run started under ``nice`` would otherwise start every engine,
+    bridge and frontend at full weight. Linux's ``/proc/PID/autogroup`` takes the
+    session's nice value; elsewhere nothing is done."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness <= 0:
+        return
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
+
+
 class Proc:
     """One subprocess with its log; ``stop()`` is idempotent."""
 
@@ -61,6 +76,7 @@ class Proc:
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
+        keep_niceness(self.popen.pid)
 
     def __repr__(self) -> str:
         return f"Proc({self.name!r}, {self.role.value}, pid {self.pid})"
