@@ -17,28 +17,33 @@ CHILD = """
 import os, sys, tempfile
 from pathlib import Path
 from harness.procs import Proc
-os.nice(int(sys.argv[1]))
+niceness = os.nice(int(sys.argv[1]))
 with tempfile.TemporaryDirectory() as d:
     proc = Proc("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"], Path(d) / "log")
     try:
-        print(Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1])
+        print(niceness, Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1])
     finally:
         proc.stop()
 """
 
 
-def session_nice(niceness: int) -> int:
+def niced_and_session(increment: int) -> tuple[int, int]:
+    """A process niced by ``increment`` starts one through the harness: its own
+    niceness and its child's session's."""
     run = subprocess.run(
-        [sys.executable, "-c", CHILD, str(niceness)],
+        [sys.executable, "-c", CHILD, str(increment)],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    return int(run.stdout.strip())
+    own, session = run.stdout.split()
+    return int(own), int(session)
 
 
 @pytest.mark.skipif(not AUTOGROUP.exists(), reason="the kernel groups no sessions")
-def test_a_niced_run_starts_its_processes_in_a_niced_session() -> None:
-    assert session_nice(19) == 19
-    assert session_nice(5) == 5
+@pytest.mark.parametrize("increment", [19, 5])
+def test_a_niced_run_starts_its_processes_in_a_niced_session(increment: int) -> None:
+    own, session = niced_and_session(increment)
+    assert own > 0
+    assert session == own
