@@ -23,8 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
+import itertools
 import json
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -189,12 +192,35 @@ def rss_figures(
     if not first or not last:
         return {"error": "too few samples"}
     a, b = statistics.median(first), statistics.median(last)
+    step, step_at = max((r1 - r0, t1) for (_, r0), (t1, r1) in itertools.pairwise(samples))
     return {
         "first_window_median_mib": round(a / 2**20, 1),
         "last_window_median_mib": round(b / 2**20, 1),
         "growth_pct": round(100.0 * (b - a) / a, 2),
         "samples": len(samples),
+        "largest_step_mib": round(step / 2**20, 1),
+        "largest_step_at_s": round(step_at, 1),
     }
+
+
+# A Dynamo log line's time (its tracing format: 2026-12-07T01:12:54.954948Z).
+LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z")
+
+
+def first_rust_backtrace_s(log: Path, started_wall: float) -> float | None:
+    """When (seconds into the soak) the process first logged a Rust stack backtrace:
+    the time of the last timestamped line before it. Dynamo's runtime logs one with
+    an error where ``RUST_BACKTRACE`` is set; a bridge's one-time RSS step of about
+    50 MiB has come with one in every failed soak looked at (docs/testing.md)."""
+    stamp = None
+    with contextlib.suppress(OSError), log.open(errors="replace") as lines:
+        for line in lines:
+            if found := LOG_TIME.search(line):
+                stamp = found.group(1)
+            elif line.startswith("Stack backtrace:") and stamp:
+                at = dt.datetime.fromisoformat(stamp).replace(tzinfo=dt.UTC)
+                return round(at.timestamp() - started_wall, 1)
+    return None
 
 
 async def final_loads(addresses: list[str], settle_s: float) -> list[dict[str, int]]:
@@ -236,6 +262,7 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         tally = Tally()
         samples: dict[str, list[tuple[float, int]]] = {name: [] for name in watched}
         started = time.monotonic()
+        started_wall = time.time()
         deadline = started + args.duration_s
         await asyncio.gather(
             sample_rss(watched, deadline, args.sample_interval_s, samples),
@@ -251,6 +278,8 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     warmup = args.warmup_fraction * duration
     window = args.window_fraction * duration
     rss = {name: rss_figures(s, duration, warmup, window) for name, s in samples.items()}
+    for name, proc in watched.items():
+        rss[name]["first_rust_backtrace_at_s"] = first_rust_backtrace_s(proc.log_path, started_wall)
     checked = [name for name in rss if not name.startswith("frontend")]
     worst = max(abs(rss[n].get("growth_pct", 1e9)) for n in checked)
     total = sum(v for k, v in tally.counts.items() if ":" not in k)

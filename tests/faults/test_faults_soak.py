@@ -2,11 +2,12 @@
 aborts and disconnects; no leaked requests and flat RSS at the end.
 
 RSS is judged on two windows of a minute's run, so a single allocation step in
-one process (seen once in about a dozen runs: a bridge grew 58 MiB at once, where
-Dynamo's runtime logged a broken-pipe error on a response stream the frontend
-had dropped) fails it as a leak would. A leak grows in every run; a step does
-not. So when only the RSS check fails, a second minute decides, and both runs'
-figures are kept. Every other check must hold in each run.
+one process (a bridge grows about 53-58 MiB at once in some runs; in every failed
+minute looked at, it was the only bridge that had logged Dynamo's broken-pipe error
+on a response stream the frontend dropped, with a Rust stack backtrace: the figures'
+``largest_step_at_s`` and ``first_rust_backtrace_at_s``) fails it as a leak would.
+A leak grows in every run; a step does not. So when only the RSS check fails, a
+second minute decides, and both runs' figures are kept. Every other check must hold in each run.
 """
 
 from __future__ import annotations
