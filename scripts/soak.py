@@ -192,7 +192,8 @@ def rss_figures(
     if not first or not last:
         return {"error": "too few samples"}
     a, b = statistics.median(first), statistics.median(last)
-    step, step_at = max((r1 - r0, t1) for (_, r0), (t1, r1) in itertools.pairwise(samples))
+    steps = ((r1 - r0, t1) for (_, r0), (t1, r1) in itertools.pairwise(samples))
+    step, step_at = max(steps, default=(0, 0.0))
     return {
         "first_window_median_mib": round(a / 2**20, 1),
         "last_window_median_mib": round(b / 2**20, 1),
@@ -211,7 +212,7 @@ def first_rust_backtrace_s(log: Path, started_wall: float) -> float | None:
     """When (seconds into the soak) the process first logged a Rust stack backtrace:
     the time of the last timestamped line before it. Dynamo's runtime logs one with
     an error where ``RUST_BACKTRACE`` is set; a bridge's one-time RSS step of about
-    50 MiB has come with one in every failed soak looked at (docs/testing.md)."""
+    53 MiB has come with one in every failed soak looked at (docs/testing.md)."""
     stamp = None
     with contextlib.suppress(OSError), log.open(errors="replace") as lines:
         for line in lines:

@@ -7,7 +7,8 @@ minute looked at, it was the only bridge that had logged Dynamo's broken-pipe er
 on a response stream the frontend dropped, with a Rust stack backtrace: the figures'
 ``largest_step_at_s`` and ``first_rust_backtrace_at_s``) fails it as a leak would.
 A leak grows in every run; a step does not. So when only the RSS check fails, a
-second minute decides, and both runs' figures are kept. Every other check must hold in each run.
+second minute decides, and both runs' figures are kept. Every other check must hold
+in each run.
 """
 
 from __future__ import annotations
