@@ -156,7 +156,7 @@ PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test
 # which keep two cores about two-thirds idle waiting on TTLs, deadlines and watchdogs:
 # the kernel gives a niced process what the others leave (harness.procs.keep_niceness
 # keeps the engines these files start niced too). Measured on this machine: the
-# `serial` files took 205-225 s with or without niced vLLM files beside them (docs/testing.md).
+# `serial` files took 204-225 s with or without niced vLLM files beside them (docs/testing.md).
 BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py tests/vllm_engine/test_vllm_first_contact.py \
   tests/vllm_engine/test_vllm_metrics.py tests/vllm_engine/test_vllm_nccl_packing.py \
   tests/vllm_engine/test_vllm_kv_events.py
