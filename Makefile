@@ -139,9 +139,9 @@ lint: $(STAMP)
 # (pytest-xdist); the other suites the same way (the conformance folder one unit:
 # tests/conftest.py), but for the files marked `serial` (wall-clock bounds measured
 # on an idle machine) and BESIDE_SERIAL; then the version-specific suites at the low
-# end of the range, in order, beside two of those files (PAIRED_SERIAL); then the
-# other `serial` files, in order, with BESIDE_SERIAL run beside them at the lowest
-# priority (docs/testing.md).
+# end of the range, in order, beside two of those files (PAIRED_SERIAL); then two
+# more alone (ALONE_SERIAL); then the other `serial` files, in order, with
+# BESIDE_SERIAL run beside them at the lowest priority (docs/testing.md).
 # Each run ends with its slowest phases (a test's set-up, call and teardown apart:
 # a shared engine's start-up shows as its first test's set-up), for where the time goes.
 DURATIONS := --durations=15 --durations-min=5
@@ -152,14 +152,20 @@ TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-li
 # the low end's run beside them, itself the same two files and light ones (measured:
 # docs/testing.md). They run beside it; the other `serial` files alone, last.
 PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test_cluster_nemo_rl_replay.py
-# Files with no wall-clock bound, run under `nice -n 19` beside the last `serial` files,
-# which keep two cores about two-thirds idle waiting on TTLs, deadlines and watchdogs:
-# the kernel gives a niced process what the others leave (harness.procs.keep_niceness
-# keeps the engines these files start niced too). Measured on this machine: the
-# `serial` files took 204-225 s with or without niced vLLM files beside them (docs/testing.md).
+# Files with no wall-clock bound, run at the lowest priority beside the last `serial`
+# files, which keep two cores about two-thirds idle waiting on TTLs, deadlines and
+# watchdogs: the kernel gives them what the others leave. In a niced session of their
+# own (harness.lowest_priority; `nice -n 19` alone let them take a session's share of
+# the CPU from the servers the `serial` tests start), as the engines they start are
+# (harness.procs.keep_niceness). Measured on this machine: the `serial` files took
+# 204-225 s with or without these files beside them (docs/testing.md).
 BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py tests/vllm_engine/test_vllm_first_contact.py \
   tests/vllm_engine/test_vllm_metrics.py tests/vllm_engine/test_vllm_nccl_packing.py \
   tests/vllm_engine/test_vllm_kv_events.py
+# The `serial` files that bound a latency in milliseconds while they flood a server
+# (GetLoad within 100 ms, 500 ms): run alone, before BESIDE_SERIAL starts. A niced
+# neighbour still slows a flooded server (measured: docs/testing.md).
+ALONE_SERIAL := tests/server/test_abuse_admission.py tests/server/test_kv_subscriber_abuse.py
 
 test:
 	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
@@ -173,8 +179,10 @@ test:
 	beside $(LOW_PY) -m pytest -q $(DURATIONS) $(LOW_SUITES); \
 	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \
 	then_beside "the low end (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))"; \
-	beside nice -n 19 $(PY) -m pytest -q $(DURATIONS) $(BESIDE_SERIAL); \
-	$(PY) -m pytest -q $(DURATIONS) -m serial --ignore=tests/e2e $(PAIRED_SERIAL:%=--ignore=%) || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) $(ALONE_SERIAL) || rc=1; \
+	beside $(PY) -m harness.lowest_priority $(PY) -m pytest -q $(DURATIONS) $(BESIDE_SERIAL); \
+	$(PY) -m pytest -q $(DURATIONS) -m serial --ignore=tests/e2e \
+	  $(PAIRED_SERIAL:%=--ignore=%) $(ALONE_SERIAL:%=--ignore=%) || rc=1; \
 	then_beside "BESIDE_SERIAL, at the lowest priority"; \
 	rm -rf $$out; exit $$rc
 
