@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import itertools
 import json
+import os
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -204,26 +203,6 @@ def rss_figures(
     }
 
 
-# A Dynamo log line's time (its tracing format: 2026-12-07T01:12:54.954948Z).
-LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z")
-
-
-def first_rust_backtrace_s(log: Path, started_wall: float) -> float | None:
-    """When (seconds into the soak) the process first logged a Rust stack backtrace:
-    the time of the last timestamped line before it. Dynamo's runtime logs one with
-    an error where ``RUST_BACKTRACE`` is set; a bridge's one-time RSS step of about
-    53 MiB has come with one in every failed soak looked at (docs/testing.md)."""
-    stamp = None
-    with contextlib.suppress(OSError), log.open(errors="replace") as lines:
-        for line in lines:
-            if found := LOG_TIME.search(line):
-                stamp = found.group(1)
-            elif line.startswith("Stack backtrace:") and stamp:
-                at = dt.datetime.fromisoformat(stamp).replace(tzinfo=dt.UTC)
-                return round(at.timestamp() - started_wall, 1)
-    return None
-
-
 async def final_loads(addresses: list[str], settle_s: float) -> list[dict[str, int]]:
     """Each engine's load once it settles (aborts and disconnects propagate)."""
     loads = []
@@ -244,7 +223,27 @@ async def final_loads(addresses: list[str], settle_s: float) -> list[dict[str, i
     return loads
 
 
+# Off for the soak's processes. The first time a Dynamo process logs an error with a
+# Rust backtrace (a bridge's broken pipe on a stream the frontend dropped, where
+# RUST_BACKTRACE is set, as on this project's machines), Rust's symbolizer reads and
+# keeps the symbols of Dynamo's 226 MB library: about 54 MiB more RSS at once, then
+# flat (measured: docs/testing.md), which a minute's windows would read as a leak.
+RUST_BACKTRACES_OFF = {"RUST_BACKTRACE": "0", "RUST_LIB_BACKTRACE": "0"}
+
+
+def environment_value(pid: int, name: str) -> str | None:
+    """``name`` in the environment process ``pid`` started with (None: unset or unreadable)."""
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{name}=".encode()
+    found = [e[len(prefix) :].decode() for e in entries if e.startswith(prefix)]
+    return found[-1] if found else None
+
+
 async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    os.environ.update(RUST_BACKTRACES_OFF)  # inherited by every process started below
     with ProcessGroup(root / "logs") as group:
         stack = Stack.new(root, group, tiny_model_dir(), MODEL, NAMESPACE)
         addresses: list[str] = []
@@ -256,6 +255,9 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             watched[f"bridge-{i}"] = stack.start_bridge(f"bridge-{i}", address)
         watched["frontend"] = stack.start_frontend("--router-mode", "kv")
         stack.wait_serving(workers=args.engines, timeout=90)
+        backtraces = {
+            name: environment_value(proc.pid, "RUST_BACKTRACE") for name, proc in watched.items()
+        }
         base = stack.base_url
 
         channels = [grpc.aio.insecure_channel(a) for a in addresses]
@@ -263,7 +265,6 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         tally = Tally()
         samples: dict[str, list[tuple[float, int]]] = {name: [] for name in watched}
         started = time.monotonic()
-        started_wall = time.time()
         deadline = started + args.duration_s
         await asyncio.gather(
             sample_rss(watched, deadline, args.sample_interval_s, samples),
@@ -279,8 +280,6 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     warmup = args.warmup_fraction * duration
     window = args.window_fraction * duration
     rss = {name: rss_figures(s, duration, warmup, window) for name, s in samples.items()}
-    for name, proc in watched.items():
-        rss[name]["first_rust_backtrace_at_s"] = first_rust_backtrace_s(proc.log_path, started_wall)
     checked = [name for name in rss if not name.startswith("frontend")]
     worst = max(abs(rss[n].get("growth_pct", 1e9)) for n in checked)
     total = sum(v for k, v in tally.counts.items() if ":" not in k)
@@ -301,6 +300,7 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             f"{warmup + window:.0f}s) vs median of the last {window:.0f}s"
         ),
         "rss": rss,
+        "rust_backtrace_by_process": backtraces,
         "worst_rss_growth_pct": worst,
         "rss_tolerance_pct": 100 * args.rss_tolerance,
     }
