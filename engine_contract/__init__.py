@@ -68,9 +68,19 @@ this file and ``v1/__init__.py`` are written by hand.
 #      looks current, and leave an open update to its writer (a revision-11
 #      server leaves both unset: it said nothing of either). The server refuses
 #      path and tensor updates while a weight-transfer update is open.
-CONTRACT_REVISION = 12
-MINIMUM_CLIENT_REVISION = 11
-MINIMUM_SERVER_REVISION = 11
+#  13  A tensor stream's end, said: TensorManifest.ends_with_marker announces an
+#      `end` message after the last chunk (TensorStreamEnd). The server commits at
+#      once on it, and loads nothing from a stream that ends without it (a client
+#      that died between its last chunk and its half-close), where it otherwise
+#      waits a moment at the stream's end for the cancellation a death brings.
+#      Clients send both only to servers of revision 13 or later (an older server
+#      refuses the `end` message): TENSOR_STREAM_END_REVISION.
+CONTRACT_REVISION = 13
+MINIMUM_CLIENT_REVISION = 12
+MINIMUM_SERVER_REVISION = 12
+
+# The first revision whose servers take a tensor stream's `end` message.
+TENSOR_STREAM_END_REVISION = 13
 
 SERVICE_NAME = "engine_contract.v1.EngineService"
 
@@ -79,4 +89,5 @@ __all__ = [
     "MINIMUM_CLIENT_REVISION",
     "MINIMUM_SERVER_REVISION",
     "SERVICE_NAME",
+    "TENSOR_STREAM_END_REVISION",
 ]

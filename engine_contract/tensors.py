@@ -62,9 +62,13 @@ def update_requests(
     allow_partial: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     expect_weight_changes: int | None = None,
+    end_marker: bool = False,
 ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
     """The request stream for ``UpdateWeightsFromTensors`` (``expect_weight_changes``:
-    the fence, contract revision 10)."""
+    the fence, contract revision 10). ``end_marker``: announce and send the stream's
+    ``end`` message (revision 13: only to servers of ``TENSOR_STREAM_END_REVISION`` or
+    later), so that the server commits at once and loads nothing should this client
+    die before it."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     items = list(tensors)
@@ -84,6 +88,7 @@ def update_requests(
         options.expect_weight_changes = expect_weight_changes
     options.allow_unpaused = allow_unpaused
     options.allow_partial = allow_partial
+    manifest.ends_with_marker = end_marker
     yield pb.UpdateWeightsFromTensorsRequest(manifest=manifest)
     for index, tensor in enumerate(items):
         view = memoryview(tensor.data).cast("B")  # type: ignore[arg-type]
@@ -95,3 +100,5 @@ def update_requests(
             request.chunk.offset = offset
             request.chunk.data = bytes(view[offset : offset + chunk_bytes])
             yield request
+    if end_marker:
+        yield pb.UpdateWeightsFromTensorsRequest(end=pb.TensorStreamEnd())

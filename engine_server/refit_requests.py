@@ -28,11 +28,13 @@ if TYPE_CHECKING:
 
 # The longest tensor name a manifest may carry (a checkpoint's names are short).
 MAX_TENSOR_NAME_LENGTH = 1024
-# How long a tensor stream's end waits before its weights are committed. gRPC's
-# asyncio server ends the request stream alike when the client half-closes it and
-# when the client dies (killed after its last chunk, before closing): only the
-# handler's cancellation, a moment later, tells the death apart. Measured: 0.1 ms
-# after the end on an idle machine; nothing is committed before this has passed.
+# How long the end of a tensor stream with no end marker (a client of revision 12)
+# waits before its weights are committed. gRPC's asyncio server ends the request
+# stream alike when the client half-closes it and when the client dies (killed
+# after its last chunk, before closing): only the handler's cancellation, a moment
+# later, tells the death apart. Measured: 0.1 ms after the end on an idle machine;
+# nothing is committed before this has passed. A stream whose manifest announced
+# its `end` (revision 13) needs no wait: the marker says the client finished.
 END_SETTLE_S = 0.1
 
 _Message = pb.UpdateWeightsFromTensorsRequest | Undecodable
@@ -73,9 +75,8 @@ async def update_from_tensors(
         manifest = first.manifest
         _no_longer_than_the_model(manifest, await core.backend.weight_names())
         specs = _specs(manifest)
-        return await core.updates.update_from_tensors(
-            manifest.options, specs, _Chunks(messages, specs)
-        )
+        chunks = _Chunks(messages, specs, marked=manifest.ends_with_marker)
+        return await core.updates.update_from_tensors(manifest.options, specs, chunks)
     except (ServerError, WeightUpdateError):
         async for _ in messages:
             pass
@@ -139,11 +140,15 @@ def _specs(manifest: pb.TensorManifest) -> list[TensorSpec]:
 
 class _Chunks:
     """The chunks after the manifest, checked to come whole and in order: their bytes,
-    one chunk at a time, as the refit control reads them."""
+    one chunk at a time, as the refit control reads them. ``marked``: the manifest
+    announced an ``end`` message, without which the stream loads nothing."""
 
-    def __init__(self, messages: AsyncIterator[_Message], specs: list[TensorSpec]) -> None:
+    def __init__(
+        self, messages: AsyncIterator[_Message], specs: list[TensorSpec], *, marked: bool
+    ) -> None:
         self._messages = messages
         self._specs = specs
+        self._marked = marked
         self._sizes = [spec.nbytes for spec in specs]
         self._index = 0  # the tensor the next byte belongs to
         self._received = 0  # its bytes so far
@@ -156,23 +161,42 @@ class _Chunks:
     def __aiter__(self) -> _Chunks:
         return self
 
+    def _check_whole(self, at: str) -> None:
+        index, specs = self._index, self._specs
+        if index < len(specs):
+            raise InvalidRequest(
+                "chunk",
+                f"the stream {at} short: tensor {specs[index].name!r} got {self._received} "
+                f"of {self._sizes[index]} bytes ({len(specs) - index} tensors incomplete); "
+                "nothing was loaded",
+            )
+
     async def __anext__(self) -> memoryview:
         index, received, specs, sizes = self._index, self._received, self._specs, self._sizes
         message = await anext(self._messages, None)
         if message is None:
-            if index < len(specs):
+            self._check_whole("ended")
+            if self._marked:
                 raise InvalidRequest(
-                    "chunk",
-                    f"the stream ended short: tensor {specs[index].name!r} got {received} of "
-                    f"{sizes[index]} bytes ({len(specs) - index} tensors incomplete); "
-                    "nothing was loaded",
+                    "end",
+                    "the stream ended without the end message its manifest announced "
+                    "(ends_with_marker): the client died or stopped before it; nothing "
+                    "was loaded",
                 )
             # A client that died here is cancelled now: nothing of its is committed.
             await asyncio.sleep(END_SETTLE_S)
             raise StopAsyncIteration
         if isinstance(message, Undecodable):
             raise InvalidRequest("UpdateWeightsFromTensorsRequest", str(message))
-        if message.WhichOneof("part") != "chunk":
+        part = message.WhichOneof("part")
+        if part == "end":
+            self._check_whole("came to its end message")
+            # Then the half-close (a live client's, at once): answering before it
+            # would make the client's gRPC report INTERNAL instead of the answer.
+            if await anext(self._messages, None) is not None:
+                raise InvalidRequest("end", "a message came after the end message")
+            raise StopAsyncIteration
+        if part != "chunk":
             raise InvalidRequest("manifest", "only the first message is a manifest")
         chunk = message.chunk
         if index >= len(specs):

@@ -32,6 +32,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2
 
+from engine_contract import TENSOR_STREAM_END_REVISION
 from engine_contract.refit_rules import UPDATE_WAYS_OUT, pause_mode
 from engine_contract.tensors import DEFAULT_CHUNK_BYTES, Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
@@ -280,8 +281,12 @@ class EngineRefitClient(FleetClient):
             )
             return answer.result.weight_changes
         if source.tensors is not None:
+            revision = (await engine.server_info()).contract_revision
             requests = update_requests(
-                source.tensors, chunk_bytes=self._chunk_bytes, expect_weight_changes=expect
+                source.tensors,
+                chunk_bytes=self._chunk_bytes,
+                expect_weight_changes=expect,
+                end_marker=revision >= TENSOR_STREAM_END_REVISION,
             )
             return (await engine.update_weights_from_tensors(requests)).result.weight_changes
         raise ValueError("weights pushed by a trainer, with no copy of the tensors")

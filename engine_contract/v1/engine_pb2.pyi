@@ -749,12 +749,14 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[TensorDtype, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorManifest(_message.Message):
-    __slots__ = ("tensors", "options")
+    __slots__ = ("tensors", "options", "ends_with_marker")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_WITH_MARKER_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     options: WeightUpdateOptions
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Union[WeightUpdateOptions, _Mapping]] = ...) -> None: ...
+    ends_with_marker: bool
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Union[WeightUpdateOptions, _Mapping]] = ..., ends_with_marker: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
@@ -766,13 +768,19 @@ class TensorChunk(_message.Message):
     data: bytes
     def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class TensorStreamEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class UpdateWeightsFromTensorsRequest(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "end")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     manifest: TensorManifest
     chunk: TensorChunk
-    def __init__(self, manifest: _Optional[_Union[TensorManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    end: TensorStreamEnd
+    def __init__(self, manifest: _Optional[_Union[TensorManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., end: _Optional[_Union[TensorStreamEnd, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsFromTensorsResponse(_message.Message):
     __slots__ = ("result",)

@@ -345,8 +345,9 @@ class EngineServiceServicer:
         and across hosts, no shared filesystem or NCCL. The first message is the
         manifest (every tensor's name, dtype and shape, checked at once); then the
         tensors' bytes in manifest order, each tensor's in order, in chunks under
-        the message size limit. A stream that breaks or ends short loads nothing.
-        Refused while a weight-transfer update is open, as UpdateWeightsFromPath.
+        the message size limit; then (revision 13) an `end` message. A stream that
+        breaks or ends short, or without the `end` its manifest announced, loads
+        nothing. Refused while a weight-transfer update is open, as UpdateWeightsFromPath.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

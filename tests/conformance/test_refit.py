@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_contract import TENSOR_STREAM_END_REVISION
 from engine_contract.refit_rules import UpdateRefusal
 from engine_contract.tensors import Tensor, update_requests
 from engine_contract.v1 import engine_pb2 as pb
@@ -387,9 +388,17 @@ async def test_refit_from_path_changes_outputs_and_back_restores_them_exactly(
     # Teardown loads the original checkpoint back and checks the outputs match.
 
 
-async def test_streamed_tensors_load_like_the_checkpoint(refit: Refit) -> None:
+def _needs_stream_end(info: pb.GetServerInfoResponse) -> None:
+    if info.contract_revision < TENSOR_STREAM_END_REVISION:
+        pytest.skip(f"a tensor stream's end message is revision {TENSOR_STREAM_END_REVISION}")
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["half-close", "end-message"])
+async def test_streamed_tensors_load_like_the_checkpoint(refit: Refit, marked: bool) -> None:
     weights = _needs_tiny_model(refit.info, "update_from_tensors")
     stub, info = refit.stub, refit.info
+    if marked:
+        _needs_stream_end(info)
     refit.original = await greedy(stub, info)
     await refit.pause(pb.PAUSE_MODE_WAIT)
     await refit.load(weights)
@@ -400,7 +409,8 @@ async def test_streamed_tensors_load_like_the_checkpoint(refit: Refit) -> None:
     tensors = checkpoint_tensors(weights)
     # Odd-sized chunks: tensors split across messages at unaligned offsets.
     answer = await stub.UpdateWeightsFromTensors(
-        update_requests(tensors, weight_version="streamed", chunk_bytes=7001), timeout=120
+        update_requests(tensors, weight_version="streamed", chunk_bytes=7001, end_marker=marked),
+        timeout=120,
     )
     assert answer.result.weight_version == "streamed"
     assert answer.result.tensors == len(tensors)
@@ -485,6 +495,19 @@ async def test_broken_tensor_streams_load_nothing(refit: Refit) -> None:
             await stub.UpdateWeightsFromTensors(iter(stream))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in e.value.details(), e.value.details()
+    if info.contract_revision >= TENSOR_STREAM_END_REVISION:
+        marked = list(
+            update_requests(checkpoint_tensors(weights), chunk_bytes=50_000, end_marker=True)
+        )
+        for stream, needle in (
+            (marked[:-1], "without the end message its manifest announced"),
+            ([*marked[:2], marked[-1]], "came to its end message short"),
+            ([*marked, marked[1]], "after the end message"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.UpdateWeightsFromTensors(iter(stream))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in e.value.details(), e.value.details()
 
     # A client that goes away mid-stream: nothing loaded, the server keeps serving.
     async def half() -> AsyncIterator[pb.UpdateWeightsFromTensorsRequest]:

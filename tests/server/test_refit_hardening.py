@@ -169,7 +169,8 @@ def test_labels_that_are_not_printable_are_refused_on_every_rpc(
 
 
 # A trainer that streams a whole checkpoint unpaused, then hangs without closing
-# its stream (it is killed there).
+# its stream (it is killed there); marked (argv[3]): its manifest announced the end
+# message (revision 13), which it never sends.
 STREAMER = """
 import sys, time, grpc
 from pathlib import Path
@@ -178,9 +179,12 @@ from engine_contract.v1 import engine_pb2_grpc as pb_grpc
 from harness.checkpoints import checkpoint_tensors
 
 def stream():
-    yield from update_requests(
-        checkpoint_tensors(Path(sys.argv[2])), allow_unpaused=True, reset_prefix_cache=False
-    )
+    marked = sys.argv[3] == "marked"
+    requests = list(update_requests(
+        checkpoint_tensors(Path(sys.argv[2])), allow_unpaused=True, reset_prefix_cache=False,
+        end_marker=marked,
+    ))
+    yield from requests[:-1] if marked else requests
     print("sent", flush=True)
     time.sleep(3600)
 
@@ -189,16 +193,26 @@ stub.UpdateWeightsFromTensors(stream())
 """
 
 
+@pytest.mark.parametrize("marked", [False, True], ids=["revision-12", "end-announced"])
 def test_a_trainer_killed_after_its_last_chunk_but_before_closing_loads_nothing(
-    server: Server,
+    server: Server, marked: bool
 ) -> None:
     """gRPC ends the request stream alike for a half-close and for a client's death;
     the server committed such a dead trainer's weights (under the label already
-    set) when every byte had arrived."""
+    set) when every byte had arrived. A revision-12 trainer's death is told apart by
+    the cancellation that follows it; a stream that announced its end message
+    (revision 13) loads nothing without it, however late the cancellation."""
     before = greedy(server.stub)
     state = server.stub.GetLoad(pb.GetLoadRequest(), timeout=10).refit_state
     streamer = subprocess.Popen(
-        [sys.executable, "-c", STREAMER, server.address, str(server.allowed / "seed1")],
+        [
+            sys.executable,
+            "-c",
+            STREAMER,
+            server.address,
+            str(server.allowed / "seed1"),
+            "marked" if marked else "plain",
+        ],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
