@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -183,6 +183,13 @@ def idle(load: pb.GetLoadResponse) -> bool:
     return (
         load.running_requests == 0 and load.waiting_requests == 0 and load.registered_requests == 0
     )
+
+
+async def aiter_of(items: Iterable[T]) -> AsyncIterator[T]:
+    """``items`` as an async iterator: a client's request stream, fed to a handler
+    called in-process (``engine_server.refit_requests.update_from_tensors``)."""
+    for item in items:
+        yield item
 
 
 async def nothing(*args: object) -> None:

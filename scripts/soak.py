@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import psutil
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
@@ -231,17 +232,6 @@ async def final_loads(addresses: list[str], settle_s: float) -> list[dict[str, i
 RUST_BACKTRACES_OFF = {"RUST_BACKTRACE": "0", "RUST_LIB_BACKTRACE": "0"}
 
 
-def environment_value(pid: int, name: str) -> str | None:
-    """``name`` in the environment process ``pid`` started with (None: unset or unreadable)."""
-    try:
-        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    prefix = f"{name}=".encode()
-    found = [e[len(prefix) :].decode() for e in entries if e.startswith(prefix)]
-    return found[-1] if found else None
-
-
 async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     os.environ.update(RUST_BACKTRACES_OFF)  # inherited by every process started below
     with ProcessGroup(root / "logs") as group:
@@ -256,7 +246,8 @@ async def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         watched["frontend"] = stack.start_frontend("--router-mode", "kv")
         stack.wait_serving(workers=args.engines, timeout=90)
         backtraces = {
-            name: environment_value(proc.pid, "RUST_BACKTRACE") for name, proc in watched.items()
+            name: psutil.Process(proc.pid).environ().get("RUST_BACKTRACE")
+            for name, proc in watched.items()
         }
         base = stack.base_url
 

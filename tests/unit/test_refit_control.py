@@ -9,10 +9,9 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -39,11 +38,9 @@ from engine_server.errors import (
 )
 from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import tiny_weights_dir, unreadable_entry
-from harness.engine import nothing
+from harness.engine import aiter_of, nothing
 
 pytestmark = pytest.mark.serial
-
-T = TypeVar("T")
 
 
 @pytest_asyncio.fixture
@@ -286,11 +283,6 @@ async def test_a_slow_manifest_check_is_refused_and_a_slow_commit_breaks(model_d
         with pytest.raises(EngineFailed, match=r"committing the streamed weights.*unknown"):
             await update_from_tensors(core, aiter_of(requests))
         assert core.refit.broken is not None
-
-
-async def aiter_of(items: Iterable[T]) -> AsyncIterator[T]:
-    for item in items:
-        yield item
 
 
 async def test_transfer_phases_past_the_deadline(tmp_path: Path) -> None:

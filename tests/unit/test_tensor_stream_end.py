@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -25,15 +25,8 @@ from engine_server.core import ServerCore
 from engine_server.errors import InvalidRequest
 from engine_server.refit_requests import update_from_tensors
 from harness.checkpoints import checkpoint_tensors, tiny_weights_dir
-from harness.engine import InProcessServer
+from harness.engine import InProcessServer, aiter_of
 from rl_client.refit import EngineRefitClient
-
-T = TypeVar("T")
-
-
-async def aiter_of(items: Iterable[T]) -> AsyncIterator[T]:
-    for item in items:
-        yield item
 
 
 async def core_of(model_dir: Path) -> ServerCore:
