@@ -4,6 +4,7 @@ root conftest). Shared helpers live in the ``harness`` package at the repo root.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ from tests import work_units
 # Set before anything imports torch; every process the suite starts inherits it.
 # It changes no result: only what an idle OpenMP thread does.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# vLLM's cache of model-class facts (VLLM_CACHE_ROOT/modelinfos) names a file per
+# class, not per vLLM version, and keys it by the model file's hash: the two ends of
+# the range on one machine (`make test` runs both) overwrote each other's entry, and
+# each miss costs an engine start a child process that imports vLLM (8-9
+# CPU-seconds; five a run, measured: docs/testing.md). One cache per environment.
+VLLM_CACHE_ROOT_GIVEN = "VLLM_CACHE_ROOT" in os.environ
+os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(sys.prefix) / "vllm-cache"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
