@@ -45,7 +45,7 @@ KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("bridge", r"-m bridge\b"),
         ("Dynamo frontend", r"-m dynamo\.frontend"),
         ("Ray", r"/ray/|ray::|raylet|gcs_server"),
-        ("pytest", r"-m pytest\b|import sys;exec\(eval"),
+        ("pytest", r"-m pytest\b|import sys;exec\(eval|\[pytest-xdist"),
         ("pip", r"/pip |-m pip\b"),
         ("lint", r"mypy|ruff|/buf |node "),
         ("etcd, NATS", r"etcd|nats-server"),

@@ -45,6 +45,7 @@ PY = "/repo/.venv/bin/python"
         ("python", f"{PY} -m dynamo.frontend --http-port 1", "Dynamo frontend"),
         ("python", f"{PY} -m vllm.model_executor.models.registry", "vLLM model registry probe"),
         ("python", f"{PY} -u -c import sys;exec(eval(sys.stdin.readline()))", "pytest"),
+        ("python", "[pytest-xdist running] tests/e2e/test_e2e_vllm.py::test_x", "pytest"),
         (
             "python",
             f"{PY} -m tests.vllm_engine.dying_trainer /tmp/pytest-of-root/w",
