@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+from harness.waits import Sampler
 
 PERIOD_S = 0.5
 
@@ -97,33 +99,18 @@ def by_test_file(processes: Iterable[Process]) -> dict[str, tuple[int, float]]:
     return dict(totals)
 
 
-class Sampler:
-    """Samples every process started at or after ``since``, but this one."""
+class ProcessTable:
+    """Every process started at or after ``since``, but this one, as last sampled."""
 
     def __init__(self, since: float) -> None:
         self.since = since
         self.seen: dict[tuple[int, float], Process] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def _run(self) -> None:
-        while not self._stop.wait(PERIOD_S):
-            self.sample()
 
     def sample(self) -> None:
         now = time.time()
         for proc in psutil.process_iter(["pid", "create_time", "name"]):
             started = proc.info["create_time"]
-            if started < self.since or proc.pid == psutil.Process().pid:
+            if started < self.since or proc.pid == os.getpid():
                 continue
             try:
                 times = proc.cpu_times()
@@ -165,10 +152,11 @@ def main() -> None:
     if not command:
         parser.error("give the command to run after --")
     started = time.time()
-    with Sampler(since=started - 1) as sampler:
+    processes_seen = ProcessTable(since=started - 1)
+    with Sampler(processes_seen.sample, interval_s=PERIOD_S, on_close=processes_seen.sample):
         status = subprocess.call(command)
     wall = time.time() - started
-    processes = list(sampler.seen.values())
+    processes = list(processes_seen.seen.values())
     total = sum(p.cpu_s for p in processes)
     print(f"\n{wall:.0f} s, {total:.0f} CPU-seconds in {len(processes)} processes")
     print(table("kind", by_kind(processes), "processes", args.top))
