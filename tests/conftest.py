@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # class, not per vLLM version, and keys it by the model file's hash: the two ends of
 # the range on one machine (`make test` runs both) overwrote each other's entry, and
 # each miss costs an engine start a child process that imports vLLM (8-9
-# CPU-seconds; five a run, measured: docs/testing.md). One cache per environment.
+# CPU-seconds; four or five a run, measured: docs/testing.md). One cache per environment.
 VLLM_CACHE_ROOT_GIVEN = "VLLM_CACHE_ROOT" in os.environ
 os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(sys.prefix) / "vllm-cache"))
 
