@@ -75,7 +75,7 @@ def kind_of(name: str, command: str) -> str:
     return "other: " + (command.split()[0].rsplit("/", 1)[-1] if command else name)
 
 
-def test_file(test: str) -> str:
+def file_of_test(test: str) -> str:
     """``tests/x.py::test_y (call)`` -> ``tests/x.py``; "" for none."""
     return test.split("::", 1)[0]
 
@@ -84,8 +84,9 @@ def by_kind(processes: Iterable[Process]) -> dict[str, tuple[int, float]]:
     """Kind -> (processes, CPU-seconds)."""
     totals: dict[str, tuple[int, float]] = defaultdict(lambda: (0, 0.0))
     for p in processes:
-        count, cpu = totals[kind_of(p.name, p.command)]
-        totals[kind_of(p.name, p.command)] = (count + 1, cpu + p.cpu_s)
+        kind = kind_of(p.name, p.command)
+        count, cpu = totals[kind]
+        totals[kind] = (count + 1, cpu + p.cpu_s)
     return dict(totals)
 
 
@@ -93,9 +94,10 @@ def by_test_file(processes: Iterable[Process]) -> dict[str, tuple[int, float]]:
     """Test file ("" for processes no test started) -> (vLLM EngineCores, CPU-seconds)."""
     totals: dict[str, tuple[int, float]] = defaultdict(lambda: (0, 0.0))
     for p in processes:
-        cores, cpu = totals[test_file(p.test)]
+        file = file_of_test(p.test)
+        cores, cpu = totals[file]
         core = kind_of(p.name, p.command) == "vLLM EngineCore"
-        totals[test_file(p.test)] = (cores + core, cpu + p.cpu_s)
+        totals[file] = (cores + core, cpu + p.cpu_s)
     return dict(totals)
 
 
