@@ -170,6 +170,11 @@ PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test
 BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py tests/vllm_engine/test_vllm_first_contact.py \
   tests/vllm_engine/test_vllm_metrics.py tests/vllm_engine/test_vllm_nccl_packing.py \
   tests/vllm_engine/test_vllm_kv_events.py
+# The one-minute soak: a fixed minute of traffic as fast as its servers answer, and no
+# bound on a latency (it checks leaks, RSS and that over 100 requests were served).
+# Its 90 CPU-seconds weighed on the two-worker run; it runs beside the last `serial`
+# files instead, at the lowest priority, in a session of its own beside BESIDE_SERIAL's.
+BESIDE_SOAK := tests/faults/test_faults_soak.py
 # The `serial` files that bound a latency in milliseconds while they flood a server
 # (GetLoad within 100 ms, 500 ms): run alone, before BESIDE_SERIAL starts. A niced
 # neighbour still slows a flooded server (measured: docs/testing.md).
@@ -178,23 +183,29 @@ ALONE_SERIAL := tests/server/test_abuse_admission.py tests/server/test_kv_subscr
 test:
 	@$(MAKE) --no-print-directory -j3 $(TEST_SETUP)
 	@rc=0; out=$$(mktemp -d); \
-	beside() { { "$$@" > $$out/log 2>&1; echo $$? > $$out/rc; } & }; \
-	then_beside() { wait; echo "$$1, run beside the above:"; cat $$out/log; \
-	  [ "$$(cat $$out/rc 2>/dev/null)" = 0 ] || rc=1; rm -f $$out/log $$out/rc; }; \
-	beside $(LOW_PY) -m pytest -q $(DURATIONS) -m "not serial" $(LOW_SUITES) \
-	  $(PAIRED_SERIAL:%=--ignore=%); \
+	beside() { id=$$1; echo "$$2" > $$out/$$id.what; shift 2; \
+	  { "$$@" > $$out/$$id.log 2>&1; echo $$? > $$out/$$id.rc; } & }; \
+	then_beside() { wait; for what in $$out/*.what; do id=$${what%.what}; \
+	  echo "$$(cat $$what), run beside the above:"; cat $$id.log; \
+	  [ "$$(cat $$id.rc 2>/dev/null)" = 0 ] || rc=1; done; rm -f $$out/*; }; \
+	beside low "the low end's tests not marked serial (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
+	  $(LOW_PY) -m pytest -q $(DURATIONS) -m "not serial" $(LOW_SUITES) $(PAIRED_SERIAL:%=--ignore=%); \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
-	then_beside "the low end's tests not marked serial (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))"; \
+	then_beside; \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e \
-	  $(BESIDE_SERIAL:%=--ignore=%) || rc=1; \
-	beside $(LOW_PY) -m pytest -q $(DURATIONS) -m serial $(LOW_SUITES); \
+	  $(BESIDE_SERIAL:%=--ignore=%) --ignore=$(BESIDE_SOAK) || rc=1; \
+	beside low "the low end's serial tests (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
+	  $(LOW_PY) -m pytest -q $(DURATIONS) -m serial $(LOW_SUITES); \
 	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \
-	then_beside "the low end's serial tests (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))"; \
+	then_beside; \
 	$(PY) -m pytest -q $(DURATIONS) $(ALONE_SERIAL) || rc=1; \
-	beside $(PY) -m harness.lowest_priority $(PY) -m pytest -q $(DURATIONS) $(BESIDE_SERIAL); \
+	beside vllm "BESIDE_SERIAL, at the lowest priority" \
+	  $(PY) -m harness.lowest_priority $(PY) -m pytest -q $(DURATIONS) $(BESIDE_SERIAL); \
+	beside soak "BESIDE_SOAK, at the lowest priority" \
+	  $(PY) -m harness.lowest_priority $(PY) -m pytest -q $(DURATIONS) $(BESIDE_SOAK); \
 	$(PY) -m pytest -q $(DURATIONS) -m serial --ignore=tests/e2e \
 	  $(PAIRED_SERIAL:%=--ignore=%) $(ALONE_SERIAL:%=--ignore=%) || rc=1; \
-	then_beside "BESIDE_SERIAL, at the lowest priority"; \
+	then_beside; \
 	rm -rf $$out; exit $$rc
 
 # The low end alone (ai-dynamo 1.3.0.post1, vLLM 0.23.0).

@@ -36,7 +36,12 @@ def marked_serial(path: str) -> bool:
 
 @pytest.mark.parametrize(
     ("name", "serial"),
-    [("PAIRED_SERIAL", True), ("ALONE_SERIAL", True), ("BESIDE_SERIAL", False)],
+    [
+        ("PAIRED_SERIAL", True),
+        ("ALONE_SERIAL", True),
+        ("BESIDE_SERIAL", False),
+        ("BESIDE_SOAK", False),
+    ],
 )
 def test_each_phase_lists_existing_files_marked_as_it_runs_them(name: str, serial: bool) -> None:
     files = makefile_list(name)
@@ -50,7 +55,7 @@ def test_each_phase_lists_existing_files_marked_as_it_runs_them(name: str, seria
 def test_no_file_is_in_two_phases() -> None:
     lists = {
         name: set(makefile_list(name))
-        for name in ("PAIRED_SERIAL", "ALONE_SERIAL", "BESIDE_SERIAL")
+        for name in ("PAIRED_SERIAL", "ALONE_SERIAL", "BESIDE_SERIAL", "BESIDE_SOAK")
     }
     seen: dict[str, str] = {}
     for name, files in lists.items():
