@@ -144,12 +144,13 @@ lint: $(STAMP)
 # Set-up first, side by side where nothing is shared (the two environments install
 # at once; lint, the stubs' check and buf run while the low end installs). Then the
 # pytest runs, all always run: the e2e suite on two workers, a file per worker
-# (pytest-xdist); the other suites the same way (the conformance folder one unit:
-# tests/conftest.py), but for the files marked `serial` (wall-clock bounds measured
-# on an idle machine) and BESIDE_SERIAL; then the version-specific suites at the low
-# end of the range, in order, beside two of those files (PAIRED_SERIAL); then two
-# more alone (ALONE_SERIAL); then the other `serial` files, in order, with
-# BESIDE_SERIAL run beside them at the lowest priority (docs/testing.md).
+# (pytest-xdist), with the low end's tests not marked `serial` beside it; the other
+# suites the same way (the conformance folder one unit: tests/conftest.py), but for
+# the files marked `serial` (wall-clock bounds measured on an idle machine),
+# BESIDE_SERIAL and BESIDE_SOAK; then the low end's `serial` tests, in order, beside
+# two of those files (PAIRED_SERIAL); then two more alone (ALONE_SERIAL); then the
+# other `serial` files, in order, with BESIDE_SERIAL and BESIDE_SOAK run beside them
+# at the lowest priority (docs/testing.md).
 # Each run ends with its slowest phases (a test's set-up, call and teardown apart:
 # a shared engine's start-up shows as its first test's set-up), for where the time goes.
 DURATIONS := --durations=15 --durations-min=5
@@ -158,8 +159,11 @@ TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-li
 # The two `serial` files that both ends run, vLLM in processes of their own through
 # NeMo RL's refit and readiness: their bounds are a second or more wide and hold with
 # the low end's run beside them, itself the same two files and light ones (measured:
-# docs/testing.md). They run beside it; the other `serial` files alone, last.
-PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test_cluster_nemo_rl_replay.py
+# docs/testing.md). They run beside it; the other `serial` files alone, last. The
+# newest end runs the replay first and the low end last (LOW_SUITES): its restarted
+# bridge waits, mostly idle, for its old instance's etcd lease to end (16-30 s at the
+# newest end, about 10 s at the low end, in CI runs), while the other end computes.
+PAIRED_SERIAL := tests/cluster/test_cluster_nemo_rl_replay.py tests/vllm_engine/test_vllm_gloo_transfer.py
 # Files with no wall-clock bound, run at the lowest priority beside the last `serial`
 # files, which keep two cores about two-thirds idle waiting on TTLs, deadlines and
 # watchdogs: the kernel gives them what the others leave. In a niced session of their
