@@ -159,11 +159,8 @@ TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-li
 # The two `serial` files that both ends run, vLLM in processes of their own through
 # NeMo RL's refit and readiness: their bounds are a second or more wide and hold with
 # the low end's run beside them, itself the same two files and light ones (measured:
-# docs/testing.md). They run beside it; the other `serial` files alone, last. The
-# newest end runs the replay first and the low end last (LOW_SUITES): its restarted
-# bridge waits, mostly idle, for its old instance's etcd lease to end (16-30 s at the
-# newest end, about 10 s at the low end, in CI runs), while the other end computes.
-PAIRED_SERIAL := tests/cluster/test_cluster_nemo_rl_replay.py tests/vllm_engine/test_vllm_gloo_transfer.py
+# docs/testing.md). They run beside it; the other `serial` files alone, last.
+PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test_cluster_nemo_rl_replay.py
 # Files with no wall-clock bound, run at the lowest priority beside the last `serial`
 # files, which keep two cores about two-thirds idle waiting on TTLs, deadlines and
 # watchdogs: the kernel gives them what the others leave. In a niced session of their

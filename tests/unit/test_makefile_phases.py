@@ -62,3 +62,9 @@ def test_no_file_is_in_two_phases() -> None:
         for f in files:
             assert f not in seen, f"{f} is in {seen[f]} and {name}"
             seen[f] = name
+
+
+def test_the_low_end_runs_the_paired_files() -> None:
+    """PAIRED_SERIAL runs beside the low end's own run of the same files (its `-m
+    serial` run of LOW_SUITES): a file dropped from LOW_SUITES would run alone."""
+    assert set(makefile_list("PAIRED_SERIAL")) <= set(makefile_list("LOW_SUITES"))
