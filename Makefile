@@ -7,7 +7,7 @@ PYTHON ?= python3
 
 # Python writes its bytecode caches under make, whatever the calling shell says (these
 # machines set PYTHONDONTWRITEBYTECODE=1): `make test` starts some 700 Python processes
-# and ten pytest runs, and without the caches each compiles the project's modules again
+# and nine pytest runs, and without the caches each compiles the project's modules again
 # and each pytest run rewrites the asserts of every test module it collects again (a
 # whole-tree collection: 18.5 s without them, 11 s with; docs/testing.md).
 unexport PYTHONDONTWRITEBYTECODE
