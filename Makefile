@@ -194,7 +194,7 @@ test:
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
 	then_beside; \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e \
-	  $(BESIDE_SERIAL:%=--ignore=%) --ignore=$(BESIDE_SOAK) || rc=1; \
+	  $(BESIDE_SERIAL:%=--ignore=%) $(BESIDE_SOAK:%=--ignore=%) || rc=1; \
 	beside low "the low end's serial tests (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m serial $(LOW_SUITES); \
 	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \

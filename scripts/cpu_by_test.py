@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,25 +80,29 @@ def file_of_test(test: str) -> str:
     return test.split("::", 1)[0]
 
 
-def by_kind(processes: Iterable[Process]) -> dict[str, tuple[int, float]]:
-    """Kind -> (processes, CPU-seconds)."""
+def tally(
+    processes: Iterable[Process], key: Callable[[Process], str], counts: Callable[[Process], bool]
+) -> dict[str, tuple[int, float]]:
+    """Key -> (processes that ``counts``, CPU-seconds of all)."""
     totals: dict[str, tuple[int, float]] = defaultdict(lambda: (0, 0.0))
     for p in processes:
-        kind = kind_of(p.name, p.command)
-        count, cpu = totals[kind]
-        totals[kind] = (count + 1, cpu + p.cpu_s)
+        count, cpu = totals[key(p)]
+        totals[key(p)] = (count + counts(p), cpu + p.cpu_s)
     return dict(totals)
+
+
+def by_kind(processes: Iterable[Process]) -> dict[str, tuple[int, float]]:
+    """Kind -> (processes, CPU-seconds)."""
+    return tally(processes, lambda p: kind_of(p.name, p.command), lambda p: True)
 
 
 def by_test_file(processes: Iterable[Process]) -> dict[str, tuple[int, float]]:
     """Test file ("" for processes no test started) -> (vLLM EngineCores, CPU-seconds)."""
-    totals: dict[str, tuple[int, float]] = defaultdict(lambda: (0, 0.0))
-    for p in processes:
-        file = file_of_test(p.test)
-        cores, cpu = totals[file]
-        core = kind_of(p.name, p.command) == "vLLM EngineCore"
-        totals[file] = (cores + core, cpu + p.cpu_s)
-    return dict(totals)
+    return tally(
+        processes,
+        lambda p: file_of_test(p.test),
+        lambda p: kind_of(p.name, p.command) == "vLLM EngineCore",
+    )
 
 
 class ProcessTable:
