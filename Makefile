@@ -175,14 +175,16 @@ PAIRED_SERIAL := tests/vllm_engine/test_vllm_gloo_transfer.py tests/cluster/test
 # the CPU from the servers the `serial` tests start), as the engines they start are
 # (harness.procs.keep_niceness). Measured on this machine: the `serial` files took
 # 204-225 s with or without these files beside them (docs/testing.md).
-BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py tests/vllm_engine/test_vllm_first_contact.py \
+BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py \
   tests/vllm_engine/test_vllm_metrics.py tests/vllm_engine/test_vllm_nccl_packing.py \
   tests/vllm_engine/test_vllm_kv_events.py
 # The one-minute soak: a fixed minute of traffic as fast as its servers answer, and no
 # bound on a latency (it checks leaks, RSS and that over 100 requests were served).
 # Its 90 CPU-seconds weighed on the two-worker run; it runs beside the last `serial`
-# files instead, at the lowest priority, in a session of its own beside BESIDE_SERIAL's.
-BESIDE_SOAK := tests/faults/test_faults_soak.py
+# files instead, at the lowest priority, in a session of its own beside BESIDE_SERIAL's,
+# then a vLLM file with no wall-clock bound: with it in BESIDE_SERIAL, that run ended
+# some 20 s after the `serial` files, this one 130 s before them (docs/testing.md).
+BESIDE_SOAK := tests/faults/test_faults_soak.py tests/vllm_engine/test_vllm_first_contact.py
 # The `serial` files that bound a latency in milliseconds while they flood a server
 # (GetLoad within 100 ms, 500 ms): run alone, before BESIDE_SERIAL starts. A niced
 # neighbour still slows a flooded server (measured: docs/testing.md).
