@@ -19,8 +19,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from grpc_health.v1 import health_pb2
 
-from harness.engine import idle, wait_load
+from harness.engine import health_status, idle, wait_load
 from harness.http import HttpOutcome, post_rollout, served_models
 from harness.procs import Proc, group_alive
 from harness.stack import Stack, stack_under
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.serial, pytest.mark.dynamo, pytest.mark.slow]
 
 MODEL = "tiny-sigterm"
 GRACE_S = 2.0
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # 20 ms per token: 25 tokens end well within the grace period, 1500 never do.
 SHORT, LONG = 25, 1500
 
@@ -85,7 +87,17 @@ async def test_engine_server_sigterm_drains(tmp_path: Path, model_dir: Path) -> 
         engine, bridge = stack.engines[0].proc, stack.bridges[0]
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             short, long, sent = await sigterm_under_load(session, stack, engine, longs=8)
-            # Draining: new requests are refused at once (a migratable 5xx).
+            # Draining (NOT_SERVING: set once the server has taken the signal, which a
+            # request sent at once can beat): new requests are refused at once (a
+            # migratable 5xx).
+            await asyncio.to_thread(
+                wait_until,
+                lambda: health_status(stack.address()) == NOT_SERVING,
+                5,
+                "the engine server draining (NOT_SERVING)",
+                [engine],
+                0.01,
+            )
             refused = await post_rollout(session, stack.base_url, MODEL, prompt(99), max_tokens=2)
             assert 500 <= refused.status < 600, (refused.status, refused.body)
             code = await asyncio.to_thread(engine.wait_exit, GRACE_S + 10)
