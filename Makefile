@@ -198,12 +198,12 @@ test:
 	then_beside() { wait; for what in $$out/*.what; do id=$${what%.what}; \
 	  echo "$$(cat $$what), run beside the above:"; cat $$id.log; \
 	  [ "$$(cat $$id.rc 2>/dev/null)" = 0 ] || rc=1; done; rm -f $$out/*; }; \
-	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
 	beside low "the low end's tests not marked serial (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m "not serial" $(LOW_SUITES) $(PAIRED_SERIAL:%=--ignore=%); \
+	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
+	then_beside; \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e \
 	  $(BESIDE_SERIAL:%=--ignore=%) $(BESIDE_SOAK:%=--ignore=%) || rc=1; \
-	then_beside; \
 	beside low "the low end's serial tests (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m serial $(LOW_SUITES); \
 	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \
