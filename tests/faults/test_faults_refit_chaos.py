@@ -7,7 +7,10 @@ over the bridges' RL routes, one over the contract) refit the fleet at once,
 0-10 ms apart or one after the other; one of them may be cancelled part way;
 an engine may be SIGSTOPped past the pause deadline and continued; a trainer
 streaming weights may be SIGKILLed mid-stream (the sim has no gloo group: the
-same peer death, on the contract's tensor stream). After every round:
+same peer death, on the contract's tensor stream; a revision-13 stream, its end
+announced, as ``EngineRefitClient`` sends: a revision-12 stream's death that the
+server learns of over 0.1 s late still commits, docs/contract.md). After every
+round:
 
 - the store holds the version some trainer last reported committed;
 - every engine serves that version, resumed, outputs bit-exact to a fresh
@@ -68,7 +71,8 @@ CHECKPOINTS = (1, 2, 3)
 # outlasts the longest stop, so what a stop delays still ends.
 DEADLINES = Deadlines(pause_s=1.0, update_s=20, rollback_s=20, control_s=8, lease_s=3)
 STOP_S = (1.5, 2.5)
-# A trainer that streams a checkpoint to one engine and dies part way.
+# A trainer that streams a checkpoint to one engine and dies part way, before the
+# end message its manifest announced.
 STREAMER = """
 import sys, time, grpc
 from engine_contract.tensors import update_requests
@@ -77,10 +81,10 @@ from harness.checkpoints import checkpoint_tensors
 from pathlib import Path
 
 def stream():
-    yield from update_requests(
+    yield from list(update_requests(
         checkpoint_tensors(Path(sys.argv[2])), allow_unpaused=True,
-        reset_prefix_cache=False, chunk_bytes=4096,
-    )
+        reset_prefix_cache=False, chunk_bytes=4096, end_marker=True,
+    ))[:-1]
     time.sleep(3600)
 
 stub = pb_grpc.EngineServiceStub(grpc.insecure_channel(sys.argv[1]))
