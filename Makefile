@@ -182,8 +182,8 @@ BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py \
 # bound on a latency (it checks leaks, RSS and that over 100 requests were served).
 # Its 90 CPU-seconds weighed on the two-worker run; it runs beside the last `serial`
 # files instead, at the lowest priority, in a session of its own beside BESIDE_SERIAL's,
-# then a vLLM file with no wall-clock bound: with it in BESIDE_SERIAL, that run ended
-# some 20 s after the `serial` files, this one 130 s before them (docs/testing.md).
+# then a vLLM file with no wall-clock bound: in BESIDE_SERIAL, it made that run end
+# 21-34 s after the `serial` files; here, the phase ended 4 s after them (docs/testing.md).
 BESIDE_SOAK := tests/faults/test_faults_soak.py tests/vllm_engine/test_vllm_first_contact.py
 # The `serial` files that bound a latency in milliseconds while they flood a server
 # (GetLoad within 100 ms, 500 ms): run alone, before BESIDE_SERIAL starts. A niced
