@@ -238,11 +238,16 @@ class Sample:
     registered: int
     version: str | None
     registered_requests: int
+    # Whether the engine answered: right after its restart, this sampler's own channel
+    # may still be in gRPC's reconnect backoff (failing at once) while the bridge's
+    # has reconnected; such a sample knows nothing of the engine's version.
+    answered: bool = True
 
 
 class Sampler(waits.Sampler[Sample]):
     """Discovery first, then the engine's weight version: a sample with the worker
-    registered and its engine on another version is a worker in the pool too early."""
+    registered and its engine answering on another version is a worker in the pool
+    too early."""
 
     def __init__(self, fleet: Fleet, worker: Worker) -> None:
         self.fleet = fleet
@@ -256,10 +261,12 @@ class Sampler(waits.Sampler[Sample]):
         if load is not None and load.refit_state.weight_version_declared:
             version = load.refit_state.weight_version
         requests = load.registered_requests if load is not None else 0
-        return Sample(time.time(), registered, version, requests)
+        return Sample(time.time(), registered, version, requests, load is not None)
 
     def too_early(self, committed: str) -> list[Sample]:
-        return [s for s in self.samples if s.registered == 2 and s.version != committed]
+        return [
+            s for s in self.samples if s.registered == 2 and s.answered and s.version != committed
+        ]
 
     async def check_joined(self, committed: str) -> None:
         """Once a sample saw the worker registered: none saw it so before its engine
