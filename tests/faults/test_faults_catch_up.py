@@ -241,7 +241,7 @@ class Sample:
     # Whether the engine answered: right after its restart, this sampler's own channel
     # may still be in gRPC's reconnect backoff (failing at once) while the bridge's
     # has reconnected; such a sample knows nothing of the engine's version.
-    answered: bool = True
+    answered: bool
 
 
 class Sampler(waits.Sampler[Sample]):
