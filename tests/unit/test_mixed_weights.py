@@ -69,8 +69,11 @@ async def finished() -> WeightLoad:
 @pytest.fixture
 async def core(model_dir: Path) -> AsyncIterator[ServerCore]:
     """The sim on the tiny model, labelled "v1", its transfer phases no-ops and no
-    way to roll an update back; default deadlines (a path load is no race)."""
-    async with sim_core(RefitConfig(), model=model_dir) as server:
+    way to roll an update back; default deadlines (a path load is no race). 2 ms a
+    step, so that a long request is still running when the test looks for it: with
+    none, its 400 tokens were all made before the first look, 10 ms on, in 11 of 200
+    repeats of the first test's opening (0 of 200 at 2 ms)."""
+    async with sim_core(RefitConfig(), model=model_dir, decode_step_ms=2.0) as server:
         backend = server.backend
         backend.init_weight_transfer = nothing  # type: ignore[method-assign]
         backend.start_weight_update = nothing  # type: ignore[method-assign]

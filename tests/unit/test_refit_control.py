@@ -130,10 +130,12 @@ FAST = RefitConfig(check_timeout_s=0.3, timeout_s=0.3)
 
 @asynccontextmanager
 async def sim_core(
-    refit: RefitConfig = FAST, model: Path | None = None
+    refit: RefitConfig = FAST, model: Path | None = None, decode_step_ms: float = 0.0
 ) -> AsyncIterator[ServerCore]:
     backend = SimBackend(
-        decode_step_ms=0.0, eos_rate=0.0, model=str(model) if model is not None else None
+        decode_step_ms=decode_step_ms,
+        eos_rate=0.0,
+        model=str(model) if model is not None else None,
     )
     server = ServerCore(backend, ServerConfig(listen="127.0.0.1:0", refit=refit), "inst")
     await server.start_engine()
