@@ -37,7 +37,7 @@ import sys
 import threading
 from collections.abc import Generator, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, TypedDict
 
 from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
@@ -150,6 +150,20 @@ def _backend_for(engine: Any) -> EngineBackend:
     raise TypeError(
         f"engine must be a vLLM AsyncLLM or an EngineBackend, got {type(engine).__name__}"
     )
+
+
+class EndpointOptions(TypedDict, total=False):
+    """How a host serves its engine: the keywords of ``start_dynamo_endpoint`` that a
+    worker class (``DynamoEngineWorker``) takes when it is made and passes on when it
+    starts; their defaults are ``start_dynamo_endpoint``'s."""
+
+    served_model_name: str | None
+    namespace: str
+    engine_env: Mapping[str, str] | None
+    bridge_args: Sequence[str]
+    worker_idx: int
+    leader_worker_idx: int
+    exit_after_engine_gone_s: float
 
 
 async def start_dynamo_endpoint(

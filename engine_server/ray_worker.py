@@ -45,13 +45,13 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Unpack
 
 import ray
 
 from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
-from engine_server.host import DynamoEndpoint, start_dynamo_endpoint
+from engine_server.host import DynamoEndpoint, EndpointOptions, start_dynamo_endpoint
 from engine_server.vllm_processes import before_engine_start, shut_down
 from launch.private_dir import PrivateDir
 
@@ -123,26 +123,14 @@ class DynamoEngineWorker:
         model_path: str,
         engine_args: Sequence[str] = ("--backend", "sim"),
         vllm_engine_args: Mapping[str, Any] | None = None,
-        served_model_name: str | None = None,
-        namespace: str = "dynamo",
-        engine_env: Mapping[str, str] | None = None,
-        bridge_args: Sequence[str] = (),
-        worker_idx: int = 0,
-        leader_worker_idx: int = 0,
-        exit_after_engine_gone_s: float = 10.0,
         bridge_exit_timeout_s: float = 10.0,
+        **endpoint: Unpack[EndpointOptions],
     ) -> None:
         self.model_path = model_path
         self.engine_args = list(engine_args)
         self.vllm_engine_args = dict(vllm_engine_args) if vllm_engine_args is not None else None
-        self.served_model_name = served_model_name
-        self.namespace = namespace
-        self.engine_env = dict(engine_env or {})
-        self.bridge_args = list(bridge_args)
-        self.worker_idx = worker_idx
-        self.leader_worker_idx = leader_worker_idx
-        self.exit_after_engine_gone_s = exit_after_engine_gone_s
         self.bridge_exit_timeout_s = bridge_exit_timeout_s
+        self.endpoint_options: EndpointOptions = EndpointOptions(**endpoint)
         # The engine this worker owns: an EngineBackend or a vLLM AsyncLLM.
         self.engine: Any = None
         self.endpoint: DynamoEndpoint | None = None
@@ -196,19 +184,15 @@ class DynamoEngineWorker:
                 RAY_ENV,
             )
         config = None
-        if self.worker_idx == self.leader_worker_idx:  # the others get a handle saying why not
+        options = self.endpoint_options
+        # The others get a handle saying why not.
+        if options.get("worker_idx", 0) == options.get("leader_worker_idx", 0):
             self.engine, config = self.make_engine()
         self.endpoint = await start_dynamo_endpoint(
             self.engine,
             model_path=self.model_path,
-            served_model_name=self.served_model_name,
-            namespace=self.namespace,
-            engine_env=self.engine_env,
-            bridge_args=self.bridge_args,
-            worker_idx=self.worker_idx,
-            leader_worker_idx=self.leader_worker_idx,
             config=config,
-            exit_after_engine_gone_s=self.exit_after_engine_gone_s,
+            **options,
             # Ray's workers run actors off the main thread and handle SIGTERM
             # themselves: __ray_shutdown__ is the hook.
             chain_sigterm=False,
@@ -228,7 +212,10 @@ class DynamoEngineWorker:
             serving=endpoint is not None and endpoint.serving,
             reason=reason,
             address=endpoint.address if endpoint is not None else None,
-            model=self.served_model_name or (info.model_name if info is not None else None),
+            model=(
+                self.endpoint_options.get("served_model_name")
+                or (info.model_name if info is not None else None)
+            ),
             bridge_pid=endpoint.bridge.pid if endpoint is not None and endpoint.bridge else None,
             restarts=endpoint.restarts if endpoint is not None else 0,
             weight_version=server.core.refit.version if server is not None else None,

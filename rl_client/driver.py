@@ -16,7 +16,7 @@ import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import aiohttp
 
@@ -191,6 +191,17 @@ class RolloutResult:
         )
 
 
+class RolloutOptions(TypedDict, total=False):
+    """How one rollout is sampled and answered: ``build_rollout_body``'s keywords that
+    ``RolloutClient.rollout`` passes on as its caller gave them."""
+
+    greedy: bool
+    stop_strings: Sequence[str]
+    max_tokens: int | None
+    worker_id: bool
+    weight_version: str | None
+
+
 def build_rollout_body(
     model: str,
     prompt_token_ids: Sequence[int],
@@ -355,14 +366,11 @@ class RolloutClient:
         self,
         prompt_token_ids: Sequence[int],
         *,
-        greedy: bool = False,
-        stop_strings: Sequence[str] = (),
-        max_tokens: int | None = None,
         request_id: str | None = None,
-        worker_id: bool = False,
-        weight_version: str | None = None,
+        **options: Unpack[RolloutOptions],
     ) -> RolloutResult:
-        """One rollout, retried as ``retry`` says. ``weight_version``: the weight
+        """One rollout, retried as ``retry`` says (a retry runs as ``request_id``.N);
+        ``options`` as ``build_rollout_body`` takes them. ``weight_version``: the weight
         version (the label a refit set) every token must come from. A worker serving
         another refuses it before generating. Where its bridge reads the fleet's
         committed record, the refusal is ``WeightVersionRefusedError`` naming the
@@ -373,7 +381,7 @@ class RolloutClient:
         another worker may serve it). A worker whose weights change under it (a
         KEEP-mode refit) ends it there: finish reason "weight_version_changed", the
         tokens so far."""
-        if max_tokens == 0:
+        if options.get("max_tokens") == 0:
             # The frontend refuses max_tokens 0 (HTTP 400); the answer is known anyway.
             return RolloutResult.nothing_generated(len(prompt_token_ids))
         policy = self.retry
@@ -384,14 +392,7 @@ class RolloutClient:
                 request_id if request_id is None or attempt == 1 else f"{request_id}.{attempt}"
             )
             body = build_rollout_body(
-                self.model,
-                prompt_token_ids,
-                greedy=greedy,
-                stop_strings=stop_strings,
-                max_tokens=max_tokens,
-                request_id=attempt_id,
-                worker_id=worker_id,
-                weight_version=weight_version,
+                self.model, prompt_token_ids, request_id=attempt_id, **options
             )
             try:
                 return await self._post(body)
