@@ -130,6 +130,10 @@ class DynamoEngineWorker:
         self.engine_args = list(engine_args)
         self.vllm_engine_args = dict(vllm_engine_args) if vllm_engine_args is not None else None
         self.bridge_exit_timeout_s = bridge_exit_timeout_s
+        # Refused here, as a misspelt keyword always was, not at start().
+        unknown = sorted(set(endpoint) - EndpointOptions.__optional_keys__)
+        if unknown:
+            raise TypeError(f"DynamoEngineWorker got unexpected keyword arguments {unknown}")
         self.endpoint_options: EndpointOptions = EndpointOptions(**endpoint)
         # The engine this worker owns: an EngineBackend or a vLLM AsyncLLM.
         self.engine: Any = None
