@@ -150,19 +150,18 @@ lint: $(STAMP)
 
 # Set-up first, side by side where nothing is shared (the two environments install
 # at once; lint, the stubs' check and buf run while the low end installs). Then the
-# pytest runs, all always run: every suite on three workers, a file per worker
-# (pytest-xdist; the conformance folder one unit: tests/conftest.py), but for the
-# files marked `serial` (wall-clock bounds measured on an idle machine), BESIDE_SERIAL
-# and BESIDE_SOAK, with the low end's tests not marked `serial` beside it (three
-# workers kept the two cores busy where two left the non-e2e suites' waits idle:
-# docs/testing.md); then the low end's `serial` tests, in order, beside
+# pytest runs, all always run: the e2e suite on two workers, a file per worker
+# (pytest-xdist), with the low end's tests not marked `serial` beside it; the other
+# suites the same way (the conformance folder one unit: tests/conftest.py), but for
+# the files marked `serial` (wall-clock bounds measured on an idle machine),
+# BESIDE_SERIAL and BESIDE_SOAK; then the low end's `serial` tests, in order, beside
 # two of those files (PAIRED_SERIAL); then two more alone (ALONE_SERIAL); then the
 # other `serial` files, in order, with BESIDE_SERIAL and BESIDE_SOAK run beside them
 # at the lowest priority (docs/testing.md).
 # Each run ends with its slowest phases (a test's set-up, call and teardown apart:
 # a shared engine's start-up shows as its first test's set-up), for where the time goes.
 DURATIONS := --durations=15 --durations-min=5
-THREE_WORKERS := -n 3 --dist loadfile
+TWO_WORKERS := -n 2 --dist loadfile
 TEST_SETUP := $(STAMP) $(LOW_STAMP) cluster-deps skyrl-deps proto-check proto-lint lint
 # The two `serial` files that both ends run, vLLM in processes of their own through
 # NeMo RL's refit and readiness: their bounds are a second or more wide and hold with
@@ -181,7 +180,7 @@ BESIDE_SERIAL := tests/vllm_engine/test_vllm_refit.py \
   tests/vllm_engine/test_vllm_kv_events.py
 # The one-minute soak: a fixed minute of traffic as fast as its servers answer, and no
 # bound on a latency (it checks leaks, RSS and that over 100 requests were served).
-# Its 90 CPU-seconds weighed on the run on workers; it runs beside the last `serial`
+# Its 90 CPU-seconds weighed on the two-worker run; it runs beside the last `serial`
 # files instead, at the lowest priority, in a session of its own beside BESIDE_SERIAL's,
 # then a vLLM file with no wall-clock bound: in BESIDE_SERIAL, it made that run end
 # 21-34 s after the `serial` files; here, the phase ended 4 s after them (docs/testing.md).
@@ -201,9 +200,10 @@ test:
 	  [ "$$(cat $$id.rc 2>/dev/null)" = 0 ] || rc=1; done; rm -f $$out/*; }; \
 	beside low "the low end's tests not marked serial (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m "not serial" $(LOW_SUITES) $(PAIRED_SERIAL:%=--ignore=%); \
-	$(PY) -m pytest -q $(DURATIONS) $(THREE_WORKERS) -m "not serial" \
-	  $(BESIDE_SERIAL:%=--ignore=%) $(BESIDE_SOAK:%=--ignore=%) || rc=1; \
+	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
 	then_beside; \
+	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e \
+	  $(BESIDE_SERIAL:%=--ignore=%) $(BESIDE_SOAK:%=--ignore=%) || rc=1; \
 	beside low "the low end's serial tests (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m serial $(LOW_SUITES); \
 	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \

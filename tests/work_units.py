@@ -1,6 +1,6 @@
 """The work units the suite's xdist runs hand out, and their order: heaviest first.
 
-``make test`` runs suites on three workers, a work unit (a file, or a folder of
+``make test`` runs suites on two workers, a work unit (a file, or a folder of
 ``ONE_WORK_UNIT``) at a time. pytest-xdist hands units out in order of their
 test count, so a long file with few tests (a GRPO run on a Ray fleet: two tests,
 two minutes) could start last and end the run with one worker idle while the

@@ -530,13 +530,17 @@ async def kill_one(
         return fault, joining
     assert isinstance(workers, ProcessStack)
     fault = FaultStats(progress.step, f"engine-{workers.restarts}", in_flight)
+    # Killed now, on the loop, not from a worker thread that may start late: the
+    # rollouts seen held are served meanwhile (seen once on a loaded machine: the
+    # kill came after the whole batch, and the restart served none of the step).
+    workers.kill()
     killed_at = time.monotonic()
     # Its bridge leaves the pool once it sees its engine gone (gRPC health).
     unlisted = asyncio.ensure_future(
         wait_registered(workers.stack, lambda n: n == 0, 60, "the worker out of discovery")
     )
     try:
-        await asyncio.to_thread(workers.kill_and_restart)
+        await asyncio.to_thread(workers.restart)
     finally:
         fault.unlisted_s = await unlisted - killed_at
     fault.replacement = f"engine-{workers.restarts}"

@@ -146,9 +146,14 @@ class ProcessStack:
             name, *ENGINE_ARGS, backend="vllm", listen=self.listen, timeout=START_TIMEOUT_S
         )
 
-    def kill_and_restart(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL the engine server: a syscall, made on the caller's thread at once."""
         assert self.engine is not None
         self.engine.signal(signal.SIGKILL)
+
+    def restart(self) -> None:
+        """Once the killed engine server is gone, a new one on its address (blocks)."""
+        assert self.engine is not None
         self.engine.wait_exit(30)
         self.restarts += 1
         self.start_engine()

@@ -1,7 +1,7 @@
 """The Makefile's file lists for ``make test``'s phases name files that exist and
 are marked as the phase expects: a renamed file would otherwise leave its phase
 silently (``--ignore`` of a missing path is no error), and a `serial` file left
-unmarked would run a second time, on xdist's workers, beside other tests."""
+unmarked would run a second time, on two workers, beside other tests."""
 
 from __future__ import annotations
 
