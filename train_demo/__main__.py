@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train_demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument(
-        "--fault-step", type=int, default=10, help="kill a worker mid-generation (0: never)"
+        "--fault-step",
+        type=int,
+        default=10,
+        help="kill a worker holding this step's rollouts (0: never)",
     )
     parser.add_argument(
         "--workers", type=int, default=2, help="generation workers in Ray actors (KV router)"

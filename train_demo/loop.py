@@ -26,12 +26,15 @@ NeMo RL's ``token_mult_prob_error`` gate; group-relative advantages and a
 clipped policy-gradient update; the weights streamed to every worker as version
 ``str(step)``; a greedy probe through the stack shows the served policy moved.
 
-The fault, once (``fault_step``): the worker holding rollouts is killed
-mid-generation. In the fleet, with ``ray.kill``: the trainer refits the
-survivors from then on, and a new actor is started in its place; once its
-engine is up (paused, on its start checkpoint) the trainer adds it to its
-fleet, the keeper pushes it the committed weights, and only then does its
-bridge join the router's pool. It joins ``rejoin_within`` steps after the fault
+The fault, once (``fault_step``): the worker holding rollouts is killed. The
+step's batch goes to engine servers paused with ``PAUSE_MODE_KEEP``, so that it
+waits in them, and the one holding most is killed once it holds half its share:
+whatever the machine's load, the kill lands on rollouts in the engine, which the
+driver then sends again. In the fleet, with ``ray.kill``: the survivors resume
+and the trainer refits them from then on, and a new actor is started in its
+place; once its engine is up (paused, on its start checkpoint) the trainer adds
+it to its fleet, the keeper pushes it the committed weights, and only then does
+its bridge join the router's pool. It joins ``rejoin_within`` steps after the fault
 at the latest (the loop waits for it there if need be), and before the last.
 """
 
@@ -72,6 +75,8 @@ from train_demo.workers import (
     Worker,
     Workers,
     held_by,
+    hold,
+    release,
     wait_registered,
 )
 
@@ -113,7 +118,7 @@ class StepStats:
 
 @dataclass
 class FaultStats:
-    """The worker killed mid-generation and the one that replaced it."""
+    """The worker killed holding rollouts and the one that replaced it."""
 
     step: int
     killed: str
@@ -140,7 +145,7 @@ class RunConfig:
     steps: int = 25
     learning_rate: float = 2e-2
     seed: int = 0
-    # Kill the worker holding rollouts once, mid-generation of this step (0: never).
+    # Kill the worker holding this step's rollouts, once (0: never).
     fault_step: int = 0
     # Generation workers in Ray actors behind the KV router; 0: one worker as
     # plain processes (engine server and bridge), its engine restarted in place.
@@ -433,6 +438,9 @@ async def run(
                 ]
                 batch = [p for p in prompts for _ in range(task.group_size)]
                 started = time.monotonic()
+                if step == config.fault_step:
+                    # The batch waits in the engines until one of them is killed.
+                    await hold(workers.addresses)
                 rollouts = asyncio.ensure_future(generate(client, batch, task, version))
                 in_flight = 0
                 if step == config.fault_step:
@@ -514,25 +522,22 @@ async def kill_one(
     batch: int,
     progress: Progress,
 ) -> tuple[FaultStats, asyncio.Future[Worker] | None]:
-    """Kill the worker holding the step's rollouts, mid-generation. The fleet: its
-    replacement starts (the future: joined, caught up); the single stack: its
-    engine server restarted in place, caught up before the rollouts end."""
-    # Half its share of the batch: killed with work on it, well before it ends.
+    """Kill the worker holding the step's rollouts, sent to held engine servers
+    (``hold``), once one holds half its share. The fleet: the survivors resume,
+    and its replacement starts (the future: joined, caught up); the single stack:
+    its engine server restarted in place, caught up before the rollouts end."""
     at_least = max(1, batch // (2 * len(workers.addresses)))
     address, in_flight = await held_by(workers.addresses, rollouts, at_least)
-    address = address or workers.addresses[0]
     if isinstance(workers, RayFleet):
         killed = workers.kill(address)
         killed_at = time.monotonic()
+        await release(workers.addresses)  # the survivors
         fault = FaultStats(progress.step, killed.name, in_flight)
-        await trainer.retarget(workers.addresses)  # the survivors
+        await trainer.retarget(workers.addresses)
         joining = asyncio.ensure_future(replace(workers, trainer, fault, killed_at, progress))
         return fault, joining
     assert isinstance(workers, ProcessStack)
     fault = FaultStats(progress.step, f"engine-{workers.restarts}", in_flight)
-    # Killed now, on the loop, not from a worker thread that may start late: the
-    # rollouts seen held are served meanwhile (seen once on a loaded machine: the
-    # kill came after the whole batch, and the restart served none of the step).
     workers.kill()
     killed_at = time.monotonic()
     # Its bridge leaves the pool once it sees its engine gone (gRPC health).

@@ -6,8 +6,8 @@ Two shapes, one interface (``Workers``), each behind a Dynamo frontend:
   (``engine_server.ray_worker.DynamoEngineActor``: a vLLM engine server on the
   actor's loop, its bridge a child), on a local Ray cluster of this machine's
   CPUs, behind a frontend routing by KV overlap (``--router-mode kv``). The
-  fault: the worker holding rollouts is killed with ``ray.kill`` mid-generation
-  and a new actor, on a new address, is started in its place; it comes up
+  fault: the worker holding the step's rollouts is killed with ``ray.kill`` and
+  a new actor, on a new address, is started in its place; it comes up
   paused on its start checkpoint and joins once caught up (``loop.py``).
 - ``ProcessStack`` (``--single``): one engine server process and one bridge
   process. The fault: the engine server is SIGKILLed and restarted on its
@@ -26,7 +26,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +35,7 @@ import grpc
 
 from engine_contract.v1 import engine_pb2 as pb
 from engine_contract.v1 import engine_pb2_grpc as pb_grpc
-from harness.engine import load, tiny_vllm_args
+from harness.engine import tiny_vllm_args
 from harness.ports import free_port
 from harness.procs import Proc, ProcessGroup
 from harness.stack import KV_ROUTER_ARGS, Stack
@@ -58,27 +58,68 @@ def instance_id(address: str) -> str:
     return str(info.instance_id)
 
 
-async def held_by(
-    addresses: list[str], rollouts: asyncio.Future[Any], at_least: int = 1
-) -> tuple[str, int]:
-    """Once an engine server holds ``at_least`` of the step's rollouts (or some, 10 s
-    on): which one (the one holding most) and how many; ("", 0) when the batch ended
-    first. The moment to kill it mid-generation."""
-    deadline = time.monotonic() + 10
-    while not rollouts.done():
-        loads = await asyncio.gather(
-            *(asyncio.to_thread(load, a) for a in addresses), return_exceptions=True
+@contextlib.asynccontextmanager
+async def engine_stubs(addresses: list[str]) -> AsyncIterator[list[pb_grpc.EngineServiceStub]]:
+    """An asyncio stub per engine server, their channels closed after."""
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    try:
+        yield [pb_grpc.EngineServiceStub(c) for c in channels]
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+
+
+async def hold(addresses: list[str]) -> None:
+    """Pause every engine server, ``PAUSE_MODE_KEEP``: rollouts sent now wait in it,
+    registered, until it resumes (``release``) or dies."""
+    request = pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_KEEP, clear_cache=False)
+    async with engine_stubs(addresses) as stubs:
+        await asyncio.gather(*(s.PauseGeneration(request, timeout=10) for s in stubs))
+
+
+async def release(addresses: list[str]) -> None:
+    """Resume the engine servers ``hold`` paused."""
+    async with engine_stubs(addresses) as stubs:
+        await asyncio.gather(
+            *(s.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10) for s in stubs)
         )
-        held = [
-            (x.registered_requests, a)
-            for a, x in zip(addresses, loads, strict=True)
-            if isinstance(x, pb.GetLoadResponse)
-        ]
-        count, address = max(held, default=(0, ""))
-        if count >= at_least or (count and time.monotonic() > deadline):
-            return address, count
-        await asyncio.sleep(0.01)
-    return "", 0
+
+
+async def held_by(
+    addresses: list[str], rollouts: asyncio.Future[Any], at_least: int, timeout: float = 60
+) -> tuple[str, int]:
+    """Once an engine server holds ``at_least`` of the step's rollouts: which one
+    (the one holding most) and how many. Sent to held engine servers (``hold``),
+    they can only pile up there; TimeoutError if they do not.
+
+    Why held: looking at running engine servers for the moment to kill one, from
+    this loop, missed the whole batch on a starved machine (32 rollouts of 16
+    tokens ended between two looks), and the kill then held none of them."""
+    deadline = time.monotonic() + timeout
+    async with engine_stubs(addresses) as stubs:
+        count, address = 0, ""
+        while not rollouts.done():
+            loads = await asyncio.gather(
+                *(s.GetLoad(pb.GetLoadRequest(), timeout=5) for s in stubs),
+                return_exceptions=True,
+            )
+            count, address = max(
+                (
+                    (x.registered_requests, a)
+                    for a, x in zip(addresses, loads, strict=True)
+                    if isinstance(x, pb.GetLoadResponse)
+                ),
+                default=(0, ""),
+            )
+            if count >= at_least:
+                return address, count
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no held engine server took {at_least} of the step's rollouts within "
+                    f"{timeout:g}s (most: {count}, on {address or 'none'})"
+                )
+            await asyncio.sleep(0.01)
+    await rollouts  # what ended them
+    raise RuntimeError(f"the step's rollouts ended on held engine servers ({count} seen held)")
 
 
 async def wait_registered(

@@ -1,7 +1,7 @@
 """A short GRPO run through frontend -> bridges -> vLLM engine servers (``make
 train-demo`` in small): on-policy to the token at every step, every token from the
 step's weights, the weights moving the served policy each step, and a worker
-killed mid-generation replaced, on the current weights before it serves.
+killed holding the step's rollouts replaced, on the current weights before it serves.
 
 The fleet: two generation workers in Ray actors behind the KV router, one killed
 with ``ray.kill`` and replaced by a new actor; the single stack (``--single``):
