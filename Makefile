@@ -27,8 +27,9 @@ BIN := $(abspath $(VENV))/bin
 PY := $(BIN)/python
 TOOLS := .tools
 UV_VERSION := 0.13.10
-UV := $(TOOLS)/uv/bin/uv
-UV_PIP = $(PYTHON) -m scripts.uv_pip $(abspath $(UV))
+UV_VENV := $(TOOLS)/uv
+UV := $(UV_VENV)/bin/uv
+UV_PIP = $(abspath $(UV_VENV))/bin/python -m scripts.uv_pip $(abspath $(UV))
 # pip: uv itself, and SkyRL's folder (below: uv has no --ignore-requires-python).
 PIP_INSTALL := install -q --no-compile
 BUF := $(TOOLS)/node_modules/.bin/buf
@@ -67,9 +68,12 @@ all: test
 
 install: $(STAMP)
 
-# uv itself, pinned, in a folder of its own (as buf).
+# uv itself, pinned, in a venv of its own (as buf has its folder): a venv's pip, as the
+# installs had before, where the system's Python may have none; scripts/uv_pip.py runs
+# on it and reads its pip's settings.
 $(UV):
-	$(PYTHON) -m pip $(PIP_INSTALL) --target $(TOOLS)/uv uv==$(UV_VERSION)
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip $(PIP_INSTALL) uv==$(UV_VERSION)
 
 $(STAMP): pyproject.toml | $(UV)
 	$(PYTHON) -m venv $(VENV)

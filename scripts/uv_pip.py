@@ -17,7 +17,8 @@ own variable for the same setting is set:
 - ``constraint``: ``--constraints``.
 
 Usage: ``python -m scripts.uv_pip UV SUBCOMMAND [ARGS...]`` runs ``UV pip
-SUBCOMMAND ARGS...``. Standard library only: it runs before any environment.
+SUBCOMMAND ARGS...``. The Makefile runs it on uv's own venv (``.tools/uv``), whose
+pip's settings it reads, before the project's environments exist: standard library only.
 """
 
 from __future__ import annotations
