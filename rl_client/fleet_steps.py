@@ -54,13 +54,19 @@ T = TypeVar("T")
 async def to_its_end(step: Awaitable[T]) -> tuple[T, bool]:
     """``step`` run to its end even when the caller is cancelled meanwhile, and
     whether it was: the caller raises the cancellation once it has acted on the
-    result (a record written, an undo finished)."""
+    result (a record written, an undo finished).
+
+    A cancellation that lands as the step ends (its result set, the caller not yet
+    woken) still returns the result: a refit cancelled so, its record written, was
+    reported as not committed (a CI-style run's chaos test, 2026-12-07)."""
     task = asyncio.ensure_future(step)
     cancelled = False
     while True:
         try:
             return await asyncio.shield(task), cancelled
         except asyncio.CancelledError:
-            if task.done():
+            if task.done() and (task.cancelled() or task.exception() is not None):
                 raise
             cancelled = True
+            if task.done():
+                return task.result(), cancelled
