@@ -168,10 +168,11 @@ lint: $(STAMP)
 # Set-up first, side by side where nothing is shared (the two environments install
 # at once; lint, the stubs' check and buf run while the low end installs). Then the
 # pytest runs, all always run: the e2e suite on two workers, a file per worker
-# (pytest-xdist), with the low end's tests not marked `serial` beside it; the other
-# suites the same way (the conformance folder one unit: tests/conftest.py), but for
-# the files marked `serial` (wall-clock bounds measured on an idle machine),
-# BESIDE_SERIAL and BESIDE_SOAK; then the low end's `serial` tests, in order, beside
+# (pytest-xdist), alone (it keeps both cores busy); the other suites the same way
+# (the conformance folder one unit: tests/conftest.py), but for the files marked
+# `serial` (wall-clock bounds measured on an idle machine), BESIDE_SERIAL and
+# BESIDE_SOAK, with the low end's tests not marked `serial` beside them (those
+# suites wait on sleeps, polls and simulated steps: a third of two cores); then the low end's `serial` tests, in order, beside
 # two of those files (PAIRED_SERIAL); then two more alone (ALONE_SERIAL); then the
 # other `serial` files, in order, with BESIDE_SERIAL and BESIDE_SOAK run beside them
 # at the lowest priority (docs/testing.md).
@@ -215,12 +216,12 @@ test:
 	then_beside() { wait; for what in $$out/*.what; do id=$${what%.what}; \
 	  echo "$$(cat $$what), run beside the above:"; cat $$id.log; \
 	  [ "$$(cat $$id.rc 2>/dev/null)" = 0 ] || rc=1; done; rm -f $$out/*; }; \
+	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
 	beside low "the low end's tests not marked serial (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m "not serial" $(LOW_SUITES) $(PAIRED_SERIAL:%=--ignore=%); \
-	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) tests/e2e || rc=1; \
-	then_beside; \
 	$(PY) -m pytest -q $(DURATIONS) $(TWO_WORKERS) -m "not serial" --ignore=tests/e2e \
 	  $(BESIDE_SERIAL:%=--ignore=%) $(BESIDE_SOAK:%=--ignore=%) || rc=1; \
+	then_beside; \
 	beside low "the low end's serial tests (ai-dynamo $(LOW_DYNAMO), vLLM $(LOW_VLLM))" \
 	  $(LOW_PY) -m pytest -q $(DURATIONS) -m serial $(LOW_SUITES); \
 	$(PY) -m pytest -q $(DURATIONS) $(PAIRED_SERIAL) || rc=1; \
