@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
 
-from engine_worker.flags import MARKER, Arity, describe
+from engine_worker.flags import Arity, describe
+from engine_worker.listing import Listed, both_known_flags, write_early
 from engine_worker.split import Split, UsageError, split_args
 from launch.bridge_command import BridgeLaunch, bridge_argv
-from launch.parent_death import death_signal_setter, with_parent_pid
+from launch.parent_death import with_parent_pid
 from launch.private_dir import PrivateDir
 from launch.stop_signals import stop_signals
 from launch.supervisor import (
@@ -54,8 +55,6 @@ log = logging.getLogger("engine_worker")
 ENGINE_ENV_DROPPED_PREFIXES = ("DYN_",)
 # Files the bridge (and Dynamo's frontend) read from the model folder.
 MODEL_FILE_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
-# A side's parser imports vLLM or Dynamo: seconds, rarely minutes.
-LISTING_TIMEOUT_S = 300.0
 # On a stop, the engine server's least time to drain, even after a bridge that
 # used the whole --stop-timeout-s (12 + 2 s: inside NeMo RL's 15).
 ENGINE_STOP_FLOOR_S = 2.0
@@ -120,6 +119,9 @@ class Plan:
     bridge_argv: list[str]
     bridge_env: dict[str, str]
     private: PrivateDir
+    # The child that listed the engine's flags, waiting to serve engine_argv
+    # (None: the supervisor starts the engine server).
+    engine_listed: Listed | None = None
 
 
 def engine_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -130,60 +132,6 @@ def bridge_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The bridge also watches for the launcher gone itself (a poll besides the
     kernel's signal)."""
     return with_parent_pid(environ)
-
-
-async def known_flags(
-    python: str, side: str, backend: str | None, env: Mapping[str, str]
-) -> dict[str, Arity]:
-    """The flags one side's own parser knows, asked of it in a child process (in a
-    session of its own, as the children are: a ``killpg`` of the launcher's group
-    stops the launcher, which kills it)."""
-    argv = [python, "-m", "engine_worker.flags", side, *([backend] if backend else [])]
-    what = "the bridge's flags"
-    if side == "engine":
-        what = f"the engine server's flags (backend {backend})"
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=death_signal_setter(),
-        )
-    except OSError as e:
-        raise UsageError(f"listing {what} failed: {e}") from None
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), LISTING_TIMEOUT_S)
-    except TimeoutError:
-        raise UsageError(f"listing {what} failed: no answer in {LISTING_TIMEOUT_S:.0f}s") from None
-    finally:
-        if process.returncode is None:  # timed out, or the worker is stopping
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    for line in reversed(out.decode(errors="replace").splitlines()):
-        if line.startswith(MARKER):
-            listing: dict[str, Arity] = json.loads(line[len(MARKER) :])
-            return listing
-    stderr = err.decode(errors="replace").strip()[-2000:]
-    raise UsageError(f"listing {what} failed (exit {process.returncode}): {stderr}")
-
-
-async def both_known_flags(
-    pre: argparse.Namespace, e_env: Mapping[str, str], b_env: Mapping[str, str]
-) -> tuple[dict[str, Arity], dict[str, Arity]]:
-    """Both listings, asked at the same time (the engine's imports vLLM: seconds);
-    when one fails or the worker stops, the other is given up too."""
-    engine = asyncio.ensure_future(known_flags(pre.engine_python, "engine", pre.backend, e_env))
-    bridge = asyncio.ensure_future(known_flags(pre.bridge_python, "bridge", None, b_env))
-    try:
-        return await engine, await bridge
-    finally:
-        for task in (engine, bridge):
-            task.cancel()
-        await asyncio.gather(engine, bridge, return_exceptions=True)
 
 
 def local_model_dir(model: str) -> str:
@@ -243,22 +191,29 @@ async def plan(
     the help was asked for, and printed); raises UsageError for a command line
     refused."""
     e_env, b_env = engine_env(environ), bridge_env(environ)
-    engine_flags, bridge_flags = await both_known_flags(pre, e_env, b_env)
-    split: Split = split_args(
-        argv,
-        engine_flags,
-        bridge_flags,
-        own=_own_flags(parser),
-        engine_name=f"the engine server (backend {pre.backend})",
+    engine_flags, listed, bridge_flags = await both_known_flags(
+        pre.engine_python, pre.backend, pre.bridge_python, e_env, b_env
     )
-    if "-h" in split.own or "--help" in split.own:
-        parser.print_help()
-        return None
-    args = parser.parse_args(split.own)
-    model = split.model
-    if model is None:
-        raise UsageError("--model is required (a model folder or a Hugging Face Hub name)")
-    model_dir = await _in_daemon_thread(lambda: local_model_dir(model))
+    try:
+        split: Split = split_args(
+            argv,
+            engine_flags,
+            bridge_flags,
+            own=_own_flags(parser),
+            engine_name=f"the engine server (backend {pre.backend})",
+        )
+        if "-h" in split.own or "--help" in split.own:
+            parser.print_help()
+            await listed.discard()
+            return None
+        args = parser.parse_args(split.own)
+        model = split.model
+        if model is None:
+            raise UsageError("--model is required (a model folder or a Hugging Face Hub name)")
+        model_dir = await _in_daemon_thread(lambda: local_model_dir(model))
+    except BaseException:  # refused, or the worker is stopping
+        await listed.discard()
+        raise
     # Last, with no wait after it: a stop cannot leave it behind unrecorded.
     private = PrivateDir()
     address = private.address
@@ -271,7 +226,22 @@ async def plan(
         bridge_argv=bridge_argv(args.bridge_python, launch, split.bridge),
         bridge_env=b_env,
         private=private,
+        engine_listed=listed,
     )
+
+
+async def engine_first_run(p: Plan) -> asyncio.subprocess.Process | None:
+    """The listing child (``--engine-python``'s, with the engine's environment),
+    handed the engine server's arguments; None when it died before: the
+    supervisor starts one."""
+    listed = p.engine_listed
+    if listed is None:
+        return None
+    if not await listed.hand_over(p.engine_argv[3:]):  # after "python -m engine_server"
+        log.warning("the engine's flag listing child ended: starting the engine server anew")
+        return None
+    write_early(listed, f"[engine-server {listed.process.pid}] ")
+    return listed.process
 
 
 async def supervise(
@@ -290,7 +260,12 @@ async def supervise(
         code = exit_code
         stop.set()
 
-    def child(name: str, argv: Sequence[str], env: Mapping[str, str]) -> ChildProcess:
+    def child(
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        first: asyncio.subprocess.Process | None = None,
+    ) -> ChildProcess:
         return ChildProcess(
             name,
             argv,
@@ -300,9 +275,11 @@ async def supervise(
             arm_death_signal=True,  # no other thread runs by now (the download is done)
             on_fatal=fatal,
             logger=log,
+            first=first,
         )
 
-    engine = child("engine-server", p.engine_argv, p.engine_env)
+    first = await engine_first_run(p)
+    engine = child("engine-server", p.engine_argv, p.engine_env, first)
     bridge = child("bridge", p.bridge_argv, p.bridge_env)
     engine.start()
     bridge.start()
@@ -362,6 +339,8 @@ async def run(
             log.info("bridge: %s", " ".join(p.bridge_argv))
             return await supervise(p, args.stop_timeout_s, stop)
         finally:
+            if p.engine_listed is not None:
+                await p.engine_listed.discard()  # unless handed over
             p.private.remove()
 
 

@@ -10,17 +10,24 @@ prints one JSON object, option string -> arity: ``0`` (a switch), an integer
 count of values, or argparse's ``"?"``, ``"*"``, ``"+"``. The parser is the
 program's own, built the way the program builds it, so the listing can never
 drift from what the program accepts.
+
+With ``--serve`` after the engine side's BACKEND, the child then reads one line
+of JSON from stdin, the arguments ``python -m engine_server`` would be given,
+and serves them in this process, whose imports (vLLM's, for its parser) are
+done already; end of input instead: it exits 0 (``engine_worker.listing``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 Arity = int | str
 MARKER = "engine_worker.flags: "
+SERVE = "--serve"
 
 
 def arity(action: argparse.Action) -> Arity:
@@ -56,14 +63,37 @@ def _parser(side: str, backend: str | None) -> argparse.ArgumentParser:
     raise SystemExit(f"unknown side {side!r} (engine or bridge)")
 
 
+def serve_when_told() -> None:
+    """The engine server on the arguments read from stdin (none: return)."""
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    engine_args = json.loads(line)
+    if not isinstance(engine_args, list) or not all(isinstance(a, str) for a in engine_args):
+        raise SystemExit(f"{SERVE}: expected a JSON list of strings on stdin")
+    # stdin as an engine server started by the supervisor has it.
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    from engine_server.cli import main as serve
+
+    serve(engine_args)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    serve = args[2:] == [SERVE] and args[0] == "engine"
+    if serve:
+        args = args[:2]
     if not args or len(args) > 2:
-        raise SystemExit("usage: python -m engine_worker.flags engine BACKEND | bridge")
+        raise SystemExit(f"usage: python -m engine_worker.flags engine BACKEND [{SERVE}] | bridge")
     side, backend = args[0], (args[1] if len(args) > 1 else None)
     listing = describe(_parser(side, backend))
     # Marked: an import may print to stdout too (vLLM does).
     sys.stdout.write(MARKER + json.dumps(listing, sort_keys=True) + "\n")
+    if serve:
+        sys.stdout.flush()
+        serve_when_told()
 
 
 if __name__ == "__main__":

@@ -289,7 +289,11 @@ def worker_children(pid: int) -> dict[str, int]:
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[1]) != pid or fields[0] == "Z":
             continue
-        if b"engine_server" in cmdline:
+        if b"engine_worker.flags" in cmdline:
+            # A flag listing; the engine side's becomes the first engine server.
+            if b"--serve" in cmdline:
+                found["engine-server"] = int(entry.name)
+        elif b"engine_server" in cmdline:
             found["engine-server"] = int(entry.name)
         elif b"bridge" in cmdline:
             found["bridge"] = int(entry.name)

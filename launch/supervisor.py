@@ -166,7 +166,11 @@ class ChildProcess:
         arm_death_signal: bool = False,
         on_fatal: Callable[[int], None] | None = None,
         logger: logging.Logger = log,
+        first: asyncio.subprocess.Process | None = None,
     ) -> None:
+        """``first``: a process already running the program, started as ``_spawn``
+        starts one (its own session, output piped, the death signal armed as
+        asked), adopted as the first run; restarts run ``argv``."""
         self.name = name
         self.argv = list(argv)
         self.env = dict(env)
@@ -177,6 +181,7 @@ class ChildProcess:
         self.process: asyncio.subprocess.Process | None = None
         self._on_fatal = on_fatal
         self._log = logger
+        self._first = first
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -229,7 +234,8 @@ class ChildProcess:
             started = time.monotonic()
             self._not_spawning.clear()
             try:
-                process = await self._spawn()
+                process = self._first or await self._spawn()
+                self._first = None
             except OSError as e:
                 self._not_spawning.set()
                 if not self._started.is_set():

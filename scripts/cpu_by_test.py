@@ -42,6 +42,9 @@ KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("vLLM's own server", r"-m vllm\.entrypoints"),
         ("engine server (vLLM)", r"-m engine_server .*--backend vllm"),
         ("engine server (other)", r"-m engine_server\b"),
+        # The worker launcher's first engine server: the child that listed its flags.
+        ("engine server (vLLM)", r"-m engine_worker\.flags engine vllm --serve"),
+        ("engine server (other)", r"-m engine_worker\.flags engine \S+ --serve"),
         ("worker flag listing", r"-m engine_worker\.flags"),
         ("worker launcher", r"-m engine_worker\b"),
         ("bridge", r"-m bridge\b"),

@@ -91,6 +91,10 @@ async def start_serving(
     return stack, worker
 
 
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
 def assert_gone(pids: dict[str, int]) -> None:
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
@@ -186,6 +190,14 @@ async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
     await rollouts(stack.base_url, model)
     first = worker_children(worker.pid)
     assert first.keys() == {"engine-server", "bridge"}
+    # The first engine server is the child that listed its flags, handed over
+    # (engine_worker.listing): its imports are not done twice.
+    assert cmdline(first["engine-server"])[2:] == [
+        "engine_worker.flags",
+        "engine",
+        "sim",
+        "--serve",
+    ]
 
     # The bridge dies: it alone comes back, and rollouts resume.
     os.kill(first["bridge"], signal.SIGKILL)
@@ -197,6 +209,7 @@ async def test_sim_worker_serves_restarts_each_child_alone_and_drains(
     os.kill(first["engine-server"], signal.SIGKILL)
     third = await asyncio.to_thread(wait_children, worker, 30, engine_server=first["engine-server"])
     assert third["bridge"] == second["bridge"]
+    assert cmdline(third["engine-server"])[1:3] == ["-m", "engine_server"]  # a restart
     await rollouts(stack.base_url, model)
     assert worker_children(worker.pid) == third
     log = worker.log_tail(200_000)  # the output passes through, each line prefixed

@@ -35,7 +35,9 @@ PY = "/repo/.venv/bin/python"
             f"{PY} -m engine_server --backend sim --listen 127.0.0.1:0",
             "engine server (other)",
         ),
-        ("python", f"{PY} -m engine_worker.flags engine vllm", "worker flag listing"),
+        ("python", f"{PY} -m engine_worker.flags bridge", "worker flag listing"),
+        ("python", f"{PY} -m engine_worker.flags engine vllm --serve", "engine server (vLLM)"),
+        ("python", f"{PY} -m engine_worker.flags engine sim --serve", "engine server (other)"),
         ("python", f"{PY} -m engine_worker --model /m --served-model-name x", "worker launcher"),
         (
             "python",
