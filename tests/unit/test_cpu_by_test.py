@@ -17,6 +17,23 @@ from scripts.cpu_by_test import Process, by_kind, by_test_file, kind_of
 PY = "/repo/.venv/bin/python"
 
 
+# A python process's arguments (after the interpreter) -> its kind.
+PYTHON_ARGS = {
+    "-m engine_server --backend vllm --model /tmp/pytest-of-root/m": "engine server (vLLM)",
+    "-m engine_server --backend sim --listen 127.0.0.1:0": "engine server (other)",
+    "-m engine_worker.flags bridge": "worker flag listing",
+    # The launcher's first engine server: the child that listed its flags.
+    "-m engine_worker.flags engine vllm --serve": "engine server (vLLM)",
+    "-m engine_worker.flags engine sim --serve": "engine server (other)",
+    "-m engine_worker --model /m --served-model-name x": "worker launcher",
+    "-m bridge --engine 127.0.0.1:1 --model-path /tmp/pytest-of-root/m": "bridge",
+    "-m dynamo.frontend --http-port 1": "Dynamo frontend",
+    "-m vllm.model_executor.models.registry": "vLLM model registry probe",
+    "-u -c import sys;exec(eval(sys.stdin.readline()))": "pytest",
+    "-m tests.vllm_engine.dying_trainer /tmp/pytest-of-root/w": "other: python",
+}
+
+
 @pytest.mark.parametrize(
     ("name", "command", "kind"),
     [
@@ -25,34 +42,8 @@ PY = "/repo/.venv/bin/python"
             f"{PY} -B -c from multiprocessing.spawn import spawn_main",
             "vLLM EngineCore",
         ),
-        (
-            "python",
-            f"{PY} -m engine_server --backend vllm --model /tmp/pytest-of-root/m",
-            "engine server (vLLM)",
-        ),
-        (
-            "python",
-            f"{PY} -m engine_server --backend sim --listen 127.0.0.1:0",
-            "engine server (other)",
-        ),
-        ("python", f"{PY} -m engine_worker.flags bridge", "worker flag listing"),
-        ("python", f"{PY} -m engine_worker.flags engine vllm --serve", "engine server (vLLM)"),
-        ("python", f"{PY} -m engine_worker.flags engine sim --serve", "engine server (other)"),
-        ("python", f"{PY} -m engine_worker --model /m --served-model-name x", "worker launcher"),
-        (
-            "python",
-            f"{PY} -m bridge --engine 127.0.0.1:1 --model-path /tmp/pytest-of-root/m",
-            "bridge",
-        ),
-        ("python", f"{PY} -m dynamo.frontend --http-port 1", "Dynamo frontend"),
-        ("python", f"{PY} -m vllm.model_executor.models.registry", "vLLM model registry probe"),
-        ("python", f"{PY} -u -c import sys;exec(eval(sys.stdin.readline()))", "pytest"),
+        *(("python", f"{PY} {args}", kind) for args, kind in PYTHON_ARGS.items()),
         ("python", "[pytest-xdist running] tests/e2e/test_e2e_vllm.py::test_x", "pytest"),
-        (
-            "python",
-            f"{PY} -m tests.vllm_engine.dying_trainer /tmp/pytest-of-root/w",
-            "other: python",
-        ),
         ("raylet", "/x/ray/core/src/ray/raylet/raylet --node", "Ray"),
     ],
 )
