@@ -172,10 +172,11 @@ lint: $(STAMP)
 # (the conformance folder one unit: tests/conftest.py), but for the files marked
 # `serial` (wall-clock bounds measured on an idle machine), BESIDE_SERIAL and
 # BESIDE_SOAK, with the low end's tests not marked `serial` beside them (those
-# suites wait on sleeps, polls and simulated steps: a third of two cores); then the low end's `serial` tests, in order, beside
-# two of those files (PAIRED_SERIAL); then two more alone (ALONE_SERIAL); then the
-# other `serial` files, in order, with BESIDE_SERIAL and BESIDE_SOAK run beside them
-# at the lowest priority (docs/testing.md).
+# suites wait on sleeps, polls and simulated steps: half a core of two idle);
+# then the low end's `serial` tests, in order, beside two of those files
+# (PAIRED_SERIAL); then two more alone (ALONE_SERIAL); then the other `serial`
+# files, in order, with BESIDE_SERIAL and BESIDE_SOAK run beside them at the
+# lowest priority (docs/testing.md).
 # Each run ends with its slowest phases (a test's set-up, call and teardown apart:
 # a shared engine's start-up shows as its first test's set-up), for where the time goes.
 DURATIONS := --durations=15 --durations-min=5
