@@ -211,11 +211,11 @@ async def plan(
         if model is None:
             raise UsageError("--model is required (a model folder or a Hugging Face Hub name)")
         model_dir = await _in_daemon_thread(lambda: local_model_dir(model))
+        # Last, with no wait after it: a stop cannot leave it behind unrecorded.
+        private = PrivateDir()
     except BaseException:  # refused, or the worker is stopping
         await listed.discard()
         raise
-    # Last, with no wait after it: a stop cannot leave it behind unrecorded.
-    private = PrivateDir()
     address = private.address
     engine_argv = [args.engine_python, "-m", "engine_server"]
     engine_argv += ["--backend", args.backend, "--listen", address]

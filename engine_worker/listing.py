@@ -128,12 +128,15 @@ async def known_flags(
 async def _read_listing(listed: Listed, what: str) -> dict[str, Arity]:
     process = listed.process
     assert process.stdout is not None and process.stderr is not None
-    while line := await process.stdout.readline():
-        text = line.decode(errors="replace")
-        if text.startswith(MARKER):
-            listing: dict[str, Arity] = json.loads(text[len(MARKER) :])
-            return listing
-        listed.early.append(line.rstrip(b"\n"))
+    try:
+        while line := await process.stdout.readline():
+            text = line.decode(errors="replace")
+            if text.startswith(MARKER):
+                listing: dict[str, Arity] = json.loads(text[len(MARKER) :])
+                return listing
+            listed.early.append(line.rstrip(b"\n"))
+    except ValueError as e:  # a line past the limit, or a listing that is not JSON
+        raise UsageError(f"listing {what} failed: unreadable output ({e})") from None
     err = await process.stderr.read()
     raise _failed(what, await process.wait(), err)
 
@@ -168,8 +171,12 @@ async def both_known_flags(
     engine = asyncio.ensure_future(engine_flags_kept(engine_python, backend, e_env))
     bridge = asyncio.ensure_future(known_flags(bridge_python, "bridge", None, b_env))
     try:
-        bridge_flags = await bridge
-        engine_flags, listed = await engine
+        await asyncio.wait({engine, bridge}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (engine, bridge):
+            if task.done():
+                task.result()  # the first failure, raised at once
+        engine_flags, listed = engine.result()
+        bridge_flags = bridge.result()
     except BaseException:
         for task in (engine, bridge):
             task.cancel()

@@ -169,8 +169,11 @@ class ChildProcess:
         first: asyncio.subprocess.Process | None = None,
     ) -> None:
         """``first``: a process already running the program, started as ``_spawn``
-        starts one (its own session, output piped, the death signal armed as
-        asked), adopted as the first run; restarts run ``argv``."""
+        starts one (its own session, stdout and stderr piped apart, the death
+        signal armed as asked), adopted as the first run (stopped by ``stop()``
+        from now on); restarts run ``argv``."""
+        if first is not None and output.merged:
+            raise ValueError("an adopted process's stderr is a pipe of its own: not merged")
         self.name = name
         self.argv = list(argv)
         self.env = dict(env)
@@ -178,7 +181,7 @@ class ChildProcess:
         self.restart = restart or RestartPolicy()
         self.arm_death_signal = arm_death_signal
         self.restarts = 0
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: asyncio.subprocess.Process | None = first
         self._on_fatal = on_fatal
         self._log = logger
         self._first = first

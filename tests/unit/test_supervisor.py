@@ -142,3 +142,55 @@ async def test_a_child_spawned_as_stop_is_called_is_stopped_too() -> None:
     await child.stop(5)
     assert spawned and child.process is not None and child.process.returncode is not None
     assert child.pid is None and child.restarts == 0
+
+
+async def adoptable(code: str) -> asyncio.subprocess.Process:
+    """A process started as the supervisor starts one (PassThrough's pipes)."""
+    pipe = asyncio.subprocess.PIPE
+    return await asyncio.create_subprocess_exec(
+        *python(code), stdin=asyncio.subprocess.DEVNULL, stdout=pipe, stderr=pipe
+    )
+
+
+async def test_an_adopted_first_run_is_supervised_and_restarts_run_the_command() -> None:
+    first = await adoptable("raise SystemExit(3)")
+    sleeper = python("import time; time.sleep(30)")
+    child = ChildProcess("child", sleeper, {}, output=PassThrough(), restart=FAST, first=first)
+    child.start()
+    await child.wait_started()
+    await until(lambda: child.restarts == 1 and child.pid is not None)
+    assert first.returncode == 3 and child.pid != first.pid  # the restart: argv
+    await child.stop(5)
+
+
+async def test_an_adopted_first_run_that_refuses_its_arguments_is_fatal() -> None:
+    fatal: list[int] = []
+    first = await adoptable(f"raise SystemExit({USAGE_ERROR})")
+    child = ChildProcess(
+        "child", python("pass"), {}, output=PassThrough(), on_fatal=fatal.append, first=first
+    )
+    child.start()
+    await until(lambda: fatal == [USAGE_ERROR])
+    assert child.restarts == 0
+    await child.stop(5)
+
+
+async def test_an_adopted_process_stopped_before_its_supervisor_ran_is_stopped() -> None:
+    first = await adoptable("import time; time.sleep(30)")
+    child = ChildProcess("child", python("pass"), {}, output=PassThrough(), first=first)
+    assert child.pid == first.pid
+    await child.stop(5)  # never started
+    assert first.returncode is not None
+
+
+async def test_an_adopted_process_needs_its_stderr_apart() -> None:
+    first = await adoptable("pass")
+    with pytest.raises(ValueError, match="not merged"):
+        ChildProcess(
+            "child",
+            python("pass"),
+            {},
+            output=IntoLogging(logging.getLogger("test.child")),
+            first=first,
+        )
+    await first.wait()
