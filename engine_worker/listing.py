@@ -35,8 +35,8 @@ _LINE_LIMIT = 1 << 22
 
 @dataclass
 class Listed:
-    """The engine side's listing child, still running: it waits for its engine
-    server's arguments on stdin."""
+    """A side's listing child; the engine side's (``--serve``), kept running,
+    waits for its engine server's arguments on stdin."""
 
     process: asyncio.subprocess.Process
     # Its stdout lines before the listing (what its imports printed), for the
@@ -98,34 +98,9 @@ async def _spawn(
         raise UsageError(f"listing {_what(side, backend)} failed: {e}") from None
 
 
-def _failed(what: str, code: int | None, err: bytes) -> UsageError:
-    stderr = err.decode(errors="replace").strip()[-2000:]
-    return UsageError(f"listing {what} failed (exit {code}): {stderr}")
-
-
-async def known_flags(
-    python: str, side: str, backend: str | None, env: Mapping[str, str]
-) -> dict[str, Arity]:
-    """The flags one side's own parser knows, from a child that exits."""
-    what = _what(side, backend)
-    process = await _spawn(python, side, backend, env, serve=False)
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), LISTING_TIMEOUT_S)
-    except TimeoutError:
-        raise UsageError(f"listing {what} failed: no answer in {LISTING_TIMEOUT_S:.0f}s") from None
-    finally:
-        if process.returncode is None:  # timed out, or the worker is stopping
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    for line in reversed(out.decode(errors="replace").splitlines()):
-        if line.startswith(MARKER):
-            listing: dict[str, Arity] = json.loads(line[len(MARKER) :])
-            return listing
-    raise _failed(what, process.returncode, err)
-
-
 async def _read_listing(listed: Listed, what: str) -> dict[str, Arity]:
+    """Its stdout up to the marked listing (earlier lines kept in ``early``); at its
+    end without one, its stderr in the error."""
     process = listed.process
     assert process.stdout is not None and process.stderr is not None
     try:
@@ -137,16 +112,16 @@ async def _read_listing(listed: Listed, what: str) -> dict[str, Arity]:
             listed.early.append(line.rstrip(b"\n"))
     except ValueError as e:  # a line past the limit, or a listing that is not JSON
         raise UsageError(f"listing {what} failed: unreadable output ({e})") from None
-    err = await process.stderr.read()
-    raise _failed(what, await process.wait(), err)
+    err = (await process.stderr.read()).decode(errors="replace").strip()[-2000:]
+    raise UsageError(f"listing {what} failed (exit {await process.wait()}): {err}")
 
 
-async def engine_flags_kept(
-    python: str, backend: str, env: Mapping[str, str]
+async def _asked(
+    python: str, side: str, backend: str | None, env: Mapping[str, str], serve: bool
 ) -> tuple[dict[str, Arity], Listed]:
-    """The engine server's flags, and the child that listed them, kept running."""
-    what = _what("engine", backend)
-    listed = Listed(await _spawn(python, "engine", backend, env, serve=True))
+    """One side's listing, and its child: killed on any failure or a stop."""
+    what = _what(side, backend)
+    listed = Listed(await _spawn(python, side, backend, env, serve))
     try:
         listing = await asyncio.wait_for(_read_listing(listed, what), LISTING_TIMEOUT_S)
     except TimeoutError:
@@ -156,6 +131,25 @@ async def engine_flags_kept(
         await listed.discard()
         raise
     return listing, listed
+
+
+async def known_flags(
+    python: str, side: str, backend: str | None, env: Mapping[str, str]
+) -> dict[str, Arity]:
+    """The flags one side's own parser knows, from a child that then exits."""
+    listing, listed = await _asked(python, side, backend, env, serve=False)
+    try:
+        await listed.process.wait()
+    finally:
+        await listed.discard()  # the worker is stopping: no wait for its exit
+    return listing
+
+
+async def engine_flags_kept(
+    python: str, backend: str, env: Mapping[str, str]
+) -> tuple[dict[str, Arity], Listed]:
+    """The engine server's flags, and the child that listed them, kept running."""
+    return await _asked(python, "engine", backend, env, serve=True)
 
 
 async def both_known_flags(

@@ -65,8 +65,8 @@ async def to_its_end(step: Awaitable[T]) -> tuple[T, bool]:
         try:
             return await asyncio.shield(task), cancelled
         except asyncio.CancelledError:
-            if task.done() and (task.cancelled() or task.exception() is not None):
-                raise
-            cancelled = True
             if task.done():
-                return task.result(), cancelled
+                if task.cancelled() or task.exception() is not None:
+                    raise
+                return task.result(), True
+            cancelled = True
