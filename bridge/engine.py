@@ -29,6 +29,7 @@ from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 
 from bridge import metrics
+from bridge.admin.instance_alias import instance_key
 from bridge.admin.rl_admin import RlAdmin, weight_world_size
 from bridge.admin.rl_endpoint import RlEndpoint
 from bridge.admin.surface import AdminSurface
@@ -40,6 +41,7 @@ from bridge.engine_metrics import EngineSeries
 from bridge.fleet_record import runtime_data
 from bridge.kv_relay import KvRelay
 from bridge.kv_view import RouterView
+from bridge.lease_note import LeaseNote
 from bridge.logging import configure_bridge_logging
 from bridge.registration import EXIT_REGISTRATION_LOST, Registration
 from bridge.request_runner import RequestRunner
@@ -88,6 +90,7 @@ class BridgeEngine(LLMEngine):
             else None
         )
         self._rl_endpoint: RlEndpoint | None = None
+        self._leases: LeaseNote | None = None
         self._relay: KvRelay | None = None
         self._worker_id = 0
         self._closed = False
@@ -164,6 +167,13 @@ class BridgeEngine(LLMEngine):
         """The served endpoint: from now on the bridge keeps it in discovery as the
         engine's health says, and heals a registration discovery dropped."""
         self.registration.start(endpoint, self._worker_id)
+        cfg = self.config
+        # Revoked by a supervisor as soon as this bridge dies (bridge.lease_note).
+        self._leases = LeaseNote.from_env(cfg.discovery_backend)
+        if self._leases is not None:
+            self._leases.follow(
+                instance_key(cfg.namespace, cfg.component, cfg.endpoint, self._worker_id)
+            )
         if self.config.enable_rl:
             system_url = self._system.address.url if self._system is not None else None
             info = self.link.info
@@ -175,6 +185,8 @@ class BridgeEngine(LLMEngine):
                 world_size=weight_world_size(info) if info is not None else 1,
             )
             await self._rl_endpoint.start()
+            if self._leases is not None:
+                self._leases.follow(self._rl_endpoint.carrier_key)
 
     def generate(
         self, request: GenerateRequest, context: Context
@@ -201,8 +213,8 @@ class BridgeEngine(LLMEngine):
         self._closed = True
         await self.registration.stop()
         await self.link.stop_following()
-        parts = (self._rl_endpoint, self._system, self._relay)
-        self._rl_endpoint = self._system = self._relay = None
+        parts = (self._leases, self._rl_endpoint, self._system, self._relay)
+        self._leases = self._rl_endpoint = self._system = self._relay = None
         for part in parts:
             if part is not None:
                 await part.stop()

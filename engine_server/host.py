@@ -5,13 +5,14 @@ loop) calls ``start_dynamo_endpoint(engine, model_path=..., ...)`` and its
 engine serves through Dynamo:
 
 - the engine server runs on the host's loop, on a unix socket in a private
-  directory (or where ``config.listen`` says);
+  directory (or where ``config.listen`` says; the directory is made anyway, for
+  the bridge's note of its leases);
 - a bridge (``python -m bridge``, its command line written from
   ``launch.bridge_command.BridgeLaunch``) runs as a child process with
   ``engine_env`` in its environment, supervised (``launch.supervisor``): its
   log lines reach the host's logging (logger ``engine_server.host.bridge``,
   levels kept), and a bridge that dies is restarted with backoff and jitter,
-  the restarts counted;
+  the restarts counted, its etcd leases revoked first (``launch.leases``);
 - the host's SIGTERM handler keeps working (chained, never replaced): on
   SIGTERM the bridge is told to leave at once, then the host's handler runs;
 - when the host dies, even by SIGKILL, the bridge follows (the parent-death
@@ -43,6 +44,7 @@ from engine_server.backends.base import EngineBackend
 from engine_server.config import ServerConfig
 from engine_server.server import EngineServerHandle, serve
 from launch.bridge_command import BridgeLaunch, bridge_argv
+from launch.leases import LeasesFile
 from launch.parent_death import with_parent_pid
 from launch.private_dir import PrivateDir
 from launch.supervisor import ChildProcess, IntoLogging, RestartPolicy
@@ -196,17 +198,17 @@ async def start_dynamo_endpoint(
         log.info("%s", reason)
         return DynamoEndpoint(reason=reason)
     backend = _backend_for(engine)
-    private_dir: PrivateDir | None = None
+    # The engine server's socket (unless ``config`` says where it listens), and
+    # where the bridge notes its etcd leases, revoked when it exits.
+    private_dir = PrivateDir()
     if config is None:
-        private_dir = PrivateDir()
         config = ServerConfig(listen=private_dir.address)
     try:
         # Our wrapper around the host's AsyncLLM stops its relays and leaves the
         # engine; a backend the host gave us is the host's to stop.
         server = await serve(backend, config, shutdown_backend=backend is not engine)
     except BaseException:
-        if private_dir is not None:
-            private_dir.remove()
+        private_dir.remove()
         raise
     info = server.core.info
     name = served_model_name or (info.model_name if info is not None else None)
@@ -217,14 +219,16 @@ async def start_dynamo_endpoint(
         namespace=namespace,
         exit_after_engine_gone_s=exit_after_engine_gone_s or None,
     )
+    leases = LeasesFile(private_dir.path)
     bridge = ChildProcess(
         "bridge",
         bridge_argv(sys.executable, launch, bridge_args),
         # The host has threads: the bridge arms its parent-death signal itself.
-        with_parent_pid({**os.environ, **(engine_env or {})}),
+        with_parent_pid({**os.environ, **(engine_env or {}), **leases.env()}),
         output=IntoLogging(bridge_log),
         restart=restart,
         logger=log,
+        after_exit=leases.revoke,
     )
     endpoint = DynamoEndpoint(server, bridge, private_dir)
     bridge.start()

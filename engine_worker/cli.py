@@ -36,6 +36,7 @@ from engine_worker.flags import Arity, describe
 from engine_worker.listing import Listed, both_known_flags, write_early
 from engine_worker.split import Split, UsageError, split_args
 from launch.bridge_command import BridgeLaunch, bridge_argv
+from launch.leases import LeasesFile
 from launch.parent_death import with_parent_pid
 from launch.private_dir import PrivateDir
 from launch.stop_signals import stop_signals
@@ -122,6 +123,11 @@ class Plan:
     # The child that listed the engine's flags, waiting to serve engine_argv
     # (None: the supervisor starts the engine server).
     engine_listed: Listed | None = None
+
+    @property
+    def leases(self) -> LeasesFile:
+        """Where the bridge notes its etcd leases, revoked when it exits."""
+        return LeasesFile(self.private.path)
 
 
 def engine_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -224,7 +230,7 @@ async def plan(
         engine_argv=[*engine_argv, *split.engine],
         engine_env=e_env,
         bridge_argv=bridge_argv(args.bridge_python, launch, split.bridge),
-        bridge_env=b_env,
+        bridge_env={**b_env, **LeasesFile(private.path).env()},
         private=private,
         engine_listed=listed,
     )
@@ -265,6 +271,7 @@ async def supervise(
         argv: Sequence[str],
         env: Mapping[str, str],
         first: asyncio.subprocess.Process | None = None,
+        after_exit: Callable[[], Awaitable[None]] | None = None,
     ) -> ChildProcess:
         return ChildProcess(
             name,
@@ -276,11 +283,13 @@ async def supervise(
             on_fatal=fatal,
             logger=log,
             first=first,
+            after_exit=after_exit,
         )
 
     first = await engine_first_run(p)
     engine = child("engine-server", p.engine_argv, p.engine_env, first)
-    bridge = child("bridge", p.bridge_argv, p.bridge_env)
+    # A bridge that died leaves its records in etcd no longer than that.
+    bridge = child("bridge", p.bridge_argv, p.bridge_env, after_exit=p.leases.revoke)
     engine.start()
     bridge.start()
     try:

@@ -22,7 +22,9 @@ A ``ChildProcess`` owns one program's life:
   requests in flight need the engine server until they end);
 - output: each line, prefixed ``[NAME PID] ``, passed through to the parent's
   stdout and stderr (``PassThrough``) or into its logging (``IntoLogging``,
-  each line at the level it names).
+  each line at the level it names);
+- what a run leaves behind: ``after_exit`` clears it before the next run starts
+  (the bridge's etcd leases: ``launch.leases``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
@@ -167,11 +169,13 @@ class ChildProcess:
         on_fatal: Callable[[int], None] | None = None,
         logger: logging.Logger = log,
         first: asyncio.subprocess.Process | None = None,
+        after_exit: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """``first``: a process already running the program, started as ``_spawn``
         starts one (its own session, stdout and stderr piped apart, the death
         signal armed as asked), adopted as the first run (stopped by ``stop()``
-        from now on); restarts run ``argv``."""
+        from now on); restarts run ``argv``. ``after_exit``: awaited each time a
+        run has exited, before the next starts (what it left behind, cleared)."""
         if first is not None and output.merged:
             raise ValueError("an adopted process's stderr is a pipe of its own: not merged")
         self.name = name
@@ -185,6 +189,7 @@ class ChildProcess:
         self._on_fatal = on_fatal
         self._log = logger
         self._first = first
+        self._after_exit = after_exit
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -264,6 +269,11 @@ class ChildProcess:
                     process.send_signal(signal.SIGTERM)
             await self.output.forward(process, f"[{self.name} {process.pid}] ")
             code = await process.wait()
+            if self._after_exit is not None:
+                try:
+                    await self._after_exit()
+                except Exception:  # its own failure: the child is still restarted
+                    self._log.exception("clearing up after %s failed", self.name)
             if self._stopping:
                 self._log.info("%s (pid %d) stopped with %s", self.name, process.pid, code)
                 return

@@ -74,6 +74,8 @@ class RlEndpoint:
         self._runtime: Any = None
         self._serving: asyncio.Future[Any] | None = None
         self._alias: InstanceAlias | None = None
+        # The carrier's own record, once started: its lease is the alias's too.
+        self.carrier_key = ""
 
     async def start(self) -> None:
         cfg = self._config
@@ -101,6 +103,7 @@ class RlEndpoint:
             worker_id=self._worker_id,
             carrier_id=carrier.connection_id(),
         )
+        self.carrier_key = self._alias.carrier_key
         await self._alias.publish()
         log.info(
             "RL admin routes described on the request plane at dyn://%s.%s.rl (instance %x)",

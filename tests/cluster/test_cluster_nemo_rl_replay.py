@@ -544,15 +544,24 @@ def test_nemo_rl_metrics_sampler_finds_vllm_series_on_each_system_port(replay: R
 
 
 def test_a_restarted_bridge_child_meets_nemo_rl_readiness_again(replay: Replay) -> None:
-    """A worker's bridge child killed: the launcher restarts it under a new instance
-    id, and NeMo RL's rule holds again once the old id's lease ends: the new id
-    serves generate and rl, and NeMo RL's rollouts reach both workers."""
+    """A worker's bridge child killed: its records leave etcd at once (the launcher
+    revokes the leases the bridge noted, instead of leaving them for the lease TTL:
+    30 s at ai-dynamo 1.6.1), the launcher restarts it under a new instance id, and
+    NeMo RL's rule holds again: the new id serves generate and rl, and NeMo RL's
+    rollouts reach both workers."""
     r = replay
     before = set(ready_fleet(r.stack.base_url, NAMESPACE, WORKERS, MODEL) or [])
     assert len(before) == WORKERS
     worker = r.workers[0]
     os.kill(worker_children(worker.proc.pid)["bridge"], signal.SIGKILL)
     procs = [w.proc for w in r.workers]
+    wait_until(
+        lambda: len({str(i) for i in r.registered()} & before) == WORKERS - 1,
+        5,
+        "the killed bridge's instance gone from etcd (its launcher revoked its leases)",
+        procs,
+        0.1,
+    )
     after = set(
         wait_until(
             lambda: (

@@ -194,3 +194,29 @@ async def test_an_adopted_process_needs_its_stderr_apart() -> None:
             first=first,
         )
     await first.wait()
+
+
+async def test_after_exit_runs_after_each_run_before_the_next_starts() -> None:
+    """What a run left behind is cleared before the next run can leave its own: each
+    ``after_exit`` sees the run before it gone and its successor not yet started;
+    one that fails does not stop the restarts."""
+    seen: list[tuple[int | None, int]] = []
+    child: ChildProcess
+
+    async def after_exit() -> None:
+        seen.append((child.pid, child.restarts))
+        if len(seen) == 1:
+            raise RuntimeError("etcd did not answer")
+
+    child = ChildProcess(
+        "child",
+        python("raise SystemExit(3)"),
+        {},
+        output=PassThrough(),
+        restart=FAST,
+        after_exit=after_exit,
+    )
+    child.start()
+    await until(lambda: len(seen) >= 3)
+    await child.stop(5)
+    assert seen[:3] == [(None, 0), (None, 1), (None, 2)], seen
