@@ -29,7 +29,7 @@ from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.worker import WorkerConfig
 
 from bridge import metrics
-from bridge.admin.instance_alias import instance_key
+from bridge.admin.instance_alias import instance_key, model_card_key
 from bridge.admin.rl_admin import RlAdmin, weight_world_size
 from bridge.admin.rl_endpoint import RlEndpoint
 from bridge.admin.surface import AdminSurface
@@ -171,9 +171,9 @@ class BridgeEngine(LLMEngine):
         # Revoked by a supervisor as soon as this bridge dies (bridge.lease_note).
         self._leases = LeaseNote.from_env(cfg.discovery_backend)
         if self._leases is not None:
-            self._leases.follow(
-                instance_key(cfg.namespace, cfg.component, cfg.endpoint, self._worker_id)
-            )
+            # The model card stays while the worker is out of the router's pool.
+            where = (cfg.namespace, cfg.component, cfg.endpoint, self._worker_id)
+            self._leases.follow(instance_key(*where), model_card_key(*where))
         if self.config.enable_rl:
             system_url = self._system.address.url if self._system is not None else None
             info = self.link.info

@@ -22,10 +22,10 @@ from rl_client import etcd_gateway
 
 log = logging.getLogger(__name__)
 
+# Polled until found, less often the longer it takes: a worker out of the router's
+# pool from its start (its engine asleep) has no instance record until it rejoins.
 POLL_S = 0.2
-# A record not there by then was never written: the registration's own watch
-# reports that (bridge.registration).
-FIND_TIMEOUT_S = 60.0
+POLL_MAX_S = 5.0
 ETCD_TIMEOUT_S = 2.0
 
 
@@ -56,26 +56,34 @@ class LeaseNote:
         path = note_path(environ)
         if discovery_backend != "etcd" or path is None:
             return None
-        return cls(path, etcd_gateway.clean_endpoints(etcd_gateway.env_endpoints(environ)))
+        try:
+            endpoints = etcd_gateway.clean_endpoints(etcd_gateway.env_endpoints(environ))
+        except ValueError as e:  # Dynamo's runtime refuses it too, louder
+            log.warning("etcd leases not noted for the supervisor: ETCD_ENDPOINTS: %s", e)
+            return None
+        return cls(path, endpoints)
 
-    def follow(self, key: str) -> None:
-        """Note the lease of ``key``'s record once a runtime has written it."""
-        self._finding.append(asyncio.get_running_loop().create_task(self._find(key)))
+    def follow(self, *keys: str) -> None:
+        """Note the lease of the first of ``keys`` whose record a runtime has
+        written (records under one lease: whichever is there)."""
+        self._finding.append(asyncio.get_running_loop().create_task(self._find(keys)))
 
-    async def _find(self, key: str) -> None:
-        deadline = asyncio.get_running_loop().time() + FIND_TIMEOUT_S
-        while asyncio.get_running_loop().time() < deadline:
-            try:
-                lease = await asyncio.to_thread(lease_of, self.endpoints, key)
-            except (ConnectionError, ValueError) as e:
-                log.debug("the lease of %s not read yet (%s)", key, e)
-                lease = None
-            if lease is not None:
-                if lease:
-                    self._add(lease)
-                return
-            await asyncio.sleep(POLL_S)
-        log.warning("%s never appeared in etcd: its lease is not noted", key)
+    async def _find(self, keys: tuple[str, ...]) -> None:
+        pause, error = POLL_S, ""
+        while True:
+            for key in keys:
+                try:
+                    lease = await asyncio.to_thread(lease_of, self.endpoints, key)
+                except (ConnectionError, ValueError) as e:
+                    if str(e) != error:  # said once, not at every poll
+                        log.warning("the etcd lease of %s not read (%s): trying again", key, e)
+                    error, lease = str(e), None
+                if lease is not None:
+                    if lease:
+                        self._add(lease)
+                    return
+            await asyncio.sleep(pause)
+            pause = min(POLL_MAX_S, pause * 2)
 
     def _add(self, lease: int) -> None:
         if lease in self.ids:

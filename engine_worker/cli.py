@@ -129,6 +129,10 @@ class Plan:
         """Where the bridge notes its etcd leases, revoked when it exits."""
         return LeasesFile(self.private.path)
 
+    def bridge_environment(self) -> dict[str, str]:
+        """The bridge's environment, the file for its leases named."""
+        return {**self.bridge_env, **self.leases.env()}
+
 
 def engine_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(ENGINE_ENV_DROPPED_PREFIXES)}
@@ -230,7 +234,7 @@ async def plan(
         engine_argv=[*engine_argv, *split.engine],
         engine_env=e_env,
         bridge_argv=bridge_argv(args.bridge_python, launch, split.bridge),
-        bridge_env={**b_env, **LeasesFile(private.path).env()},
+        bridge_env=b_env,
         private=private,
         engine_listed=listed,
     )
@@ -271,7 +275,7 @@ async def supervise(
         argv: Sequence[str],
         env: Mapping[str, str],
         first: asyncio.subprocess.Process | None = None,
-        after_exit: Callable[[], Awaitable[None]] | None = None,
+        after_exit: Callable[[int], Awaitable[None]] | None = None,
     ) -> ChildProcess:
         return ChildProcess(
             name,
@@ -289,7 +293,7 @@ async def supervise(
     first = await engine_first_run(p)
     engine = child("engine-server", p.engine_argv, p.engine_env, first)
     # A bridge that died leaves its records in etcd no longer than that.
-    bridge = child("bridge", p.bridge_argv, p.bridge_env, after_exit=p.leases.revoke)
+    bridge = child("bridge", p.bridge_argv, p.bridge_environment(), after_exit=p.leases.revoke)
     engine.start()
     bridge.start()
     try:

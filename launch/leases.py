@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 # The file the bridge notes its leases in (set by its supervisor).
 LEASES_FILE_ENV = "BRIDGE_LEASES_FILE"
 FILE_NAME = "bridge-leases.json"
-# Each revocation's bound: a supervisor waits for it before it restarts the bridge.
-REVOKE_TIMEOUT_S = 2.0
+# Each etcd call's bound: a supervisor waits for them before it restarts the bridge.
+REVOKE_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ def read(path: Path) -> Leases | None:
 
 
 def revoke(leases: Leases, timeout_s: float = REVOKE_TIMEOUT_S) -> list[int]:
-    """Revoke each lease (blocking); the ids etcd revoked now (not those already gone)."""
+    """Revoke each lease (blocking); the ids etcd revoked now (not those already
+    gone). etcd not answering ends it: the rest would wait as long for nothing."""
     revoked = []
     for lease in leases.ids:
         try:
@@ -77,9 +78,9 @@ def revoke(leases: Leases, timeout_s: float = REVOKE_TIMEOUT_S) -> list[int]:
         except ConnectionError as e:
             if "HTTP Error 404" in str(e):  # expired, or the bridge revoked it as it ended
                 log.debug("lease %x was gone already", lease)
-            else:
-                log.warning("lease %x not revoked (%s): it expires with its TTL", lease, e)
-            continue
+                continue
+            log.warning("etcd leases not revoked (%s): they expire with their TTL", e)
+            break
         if "error" not in answer:
             revoked.append(lease)
     return revoked
@@ -96,19 +97,21 @@ class LeasesFile:
         """What the bridge child's environment gets to note its leases here."""
         return {LEASES_FILE_ENV: os.fspath(self.path)}
 
-    async def revoke(self, name: str = "bridge") -> None:
-        """Revoke the leases the exited child noted, then forget them (the next
-        child notes its own)."""
+    async def revoke(self, exit_code: int) -> None:
+        """Revoke the leases the child that exited with ``exit_code`` noted, then
+        forget them (the next child notes its own). A bridge that exited 0 ended
+        in order and took its records out itself: nothing to revoke."""
         leases = read(self.path)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        if leases is None or not leases.ids:
+        if leases is None or not leases.ids or exit_code == 0:
             return
         revoked = await asyncio.to_thread(revoke, leases)
         if revoked:
             log.info(
-                "revoked the etcd leases of the %s that exited (%s): its records are gone",
-                name,
+                "revoked the etcd leases of the bridge that exited with %s (%s): "
+                "its records are gone",
+                exit_code,
                 ", ".join(f"{i:x}" for i in revoked),
             )
 

@@ -169,13 +169,14 @@ class ChildProcess:
         on_fatal: Callable[[int], None] | None = None,
         logger: logging.Logger = log,
         first: asyncio.subprocess.Process | None = None,
-        after_exit: Callable[[], Awaitable[None]] | None = None,
+        after_exit: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """``first``: a process already running the program, started as ``_spawn``
         starts one (its own session, stdout and stderr piped apart, the death
         signal armed as asked), adopted as the first run (stopped by ``stop()``
-        from now on); restarts run ``argv``. ``after_exit``: awaited each time a
-        run has exited, before the next starts (what it left behind, cleared)."""
+        from now on); restarts run ``argv``. ``after_exit``: awaited with the exit
+        status each time a run has exited, before the next starts (what the run
+        left behind, cleared)."""
         if first is not None and output.merged:
             raise ValueError("an adopted process's stderr is a pipe of its own: not merged")
         self.name = name
@@ -271,7 +272,7 @@ class ChildProcess:
             code = await process.wait()
             if self._after_exit is not None:
                 try:
-                    await self._after_exit()
+                    await self._after_exit(code)
                 except Exception:  # its own failure: the child is still restarted
                     self._log.exception("clearing up after %s failed", self.name)
             if self._stopping:

@@ -62,6 +62,12 @@ def instance_key(namespace: str, component: str, endpoint: str, instance_id: int
     return f"{INSTANCES}/{namespace}/{component}/{endpoint}/{instance_id:x}"
 
 
+def model_card_key(namespace: str, component: str, endpoint: str, instance_id: int) -> str:
+    """Where Dynamo keeps a worker's model card (``v1/mdc/...``), under the lease its
+    instance record has."""
+    return f"v1/mdc/{namespace}/{component}/{endpoint}/{instance_id:x}"
+
+
 def file_name(key_below_bucket: str) -> str:
     """A key as Dynamo's file store names it: every byte but ASCII letters and
     digits percent-encoded (``/`` is ``%2F``, ``_`` is ``%5F``)."""

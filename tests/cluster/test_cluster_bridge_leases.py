@@ -64,10 +64,10 @@ async def test_the_supervisor_revokes_what_the_bridge_noted(etcd: Etcd, tmp_path
     assert read(supervisor.path) == Leases((etcd.endpoint,), (worker, carrier))
     await note.stop()
 
-    await supervisor.revoke()
+    await supervisor.revoke(-9)
     assert etcd.keys("v1/instances/") == []
     assert not supervisor.path.exists()
-    await supervisor.revoke()  # nothing noted: nothing to do
+    await supervisor.revoke(-9)  # nothing noted: nothing to do
 
 
 async def test_leases_already_gone_are_no_error(
@@ -80,7 +80,7 @@ async def test_leases_already_gone_are_no_error(
     supervisor = LeasesFile(tmp_path)
     write(supervisor.path, Leases((etcd.endpoint,), (lease,)))
     with caplog.at_level(logging.DEBUG, logger="launch.leases"):
-        await supervisor.revoke()
+        await supervisor.revoke(1)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not supervisor.path.exists()
 
@@ -90,8 +90,8 @@ async def test_a_file_that_is_not_a_note_revokes_nothing(
 ) -> None:
     lease = put_under_new_lease(etcd, "v1/instances/ns/backend/generate/1")
     supervisor = LeasesFile(tmp_path)
-    supervisor.path.write_text('{"ids": ["not a lease"]}')
-    await supervisor.revoke()
+    supervisor.path.write_text(f'{{"endpoints": ["{etcd.endpoint}"], "ids": ["not a lease"]}}')
+    await supervisor.revoke(1)
     assert "is not a note of leases" in caplog.text
     assert etcd.keys("v1/instances/") == ["v1/instances/ns/backend/generate/1"]
     call(etcd, "lease/revoke", {"ID": str(lease)})
@@ -102,3 +102,31 @@ def test_no_note_without_etcd_or_a_supervisor(tmp_path: Path) -> None:
     assert LeaseNote.from_env("file", named) is None
     assert LeaseNote.from_env("etcd", {}) is None
     assert LeaseNote.from_env("etcd", named) is not None
+
+
+async def test_the_workers_lease_is_found_from_its_model_card(etcd: Etcd, tmp_path: Path) -> None:
+    """A worker out of the router's pool from its start (its engine asleep) has no
+    instance record: its model card, under the same lease, gives the lease."""
+    supervisor = LeasesFile(tmp_path)
+    note = LeaseNote.from_env("etcd", {**supervisor.env(), "ETCD_ENDPOINTS": etcd.endpoint})
+    assert note is not None
+    lease = put_under_new_lease(etcd, "v1/mdc/ns/backend/generate/1")
+    note.follow("v1/instances/ns/backend/generate/1", "v1/mdc/ns/backend/generate/1")
+    for _ in range(100):
+        if note.ids:
+            break
+        await asyncio.sleep(0.05)
+    await note.stop()
+    assert read(supervisor.path) == Leases((etcd.endpoint,), (lease,))
+
+
+async def test_an_orderly_exit_revokes_nothing(etcd: Etcd, tmp_path: Path) -> None:
+    """Exit 0: the bridge ended in order and took its records out itself; the
+    supervisor only forgets the note."""
+    lease = put_under_new_lease(etcd, "v1/instances/ns/backend/generate/1")
+    supervisor = LeasesFile(tmp_path)
+    write(supervisor.path, Leases((etcd.endpoint,), (lease,)))
+    await supervisor.revoke(0)
+    assert not supervisor.path.exists()
+    assert etcd.keys("v1/instances/") == ["v1/instances/ns/backend/generate/1"]
+    call(etcd, "lease/revoke", {"ID": str(lease)})

@@ -200,11 +200,11 @@ async def test_after_exit_runs_after_each_run_before_the_next_starts() -> None:
     """What a run left behind is cleared before the next run can leave its own: each
     ``after_exit`` sees the run before it gone and its successor not yet started;
     one that fails does not stop the restarts."""
-    seen: list[tuple[int | None, int]] = []
+    seen: list[tuple[int, int | None, int]] = []
     child: ChildProcess
 
-    async def after_exit() -> None:
-        seen.append((child.pid, child.restarts))
+    async def after_exit(code: int) -> None:
+        seen.append((code, child.pid, child.restarts))
         if len(seen) == 1:
             raise RuntimeError("etcd did not answer")
 
@@ -219,4 +219,4 @@ async def test_after_exit_runs_after_each_run_before_the_next_starts() -> None:
     child.start()
     await until(lambda: len(seen) >= 3)
     await child.stop(5)
-    assert seen[:3] == [(None, 0), (None, 1), (None, 2)], seen
+    assert seen[:3] == [(3, None, 0), (3, None, 1), (3, None, 2)], seen
