@@ -181,7 +181,9 @@ async def test_an_unreadable_entry_is_a_refusal_not_weights_unknown(
         (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 200_000) + b"[" * 200_000)
     else:
         unreadable_entry(tmp_path, kind)
-    async with sim_core() as core:
+    # A deadline the check never meets: parsing 200 KB of nesting took over FAST's
+    # 0.3 s on a loaded machine (the deadlines have tests of their own, below).
+    async with sim_core(RefitConfig(check_timeout_s=10, timeout_s=10)) as core:
         await paused(core)
         with pytest.raises(InvalidRequest, match=r"x.safetensors.*the old weights still serve"):
             await core.updates.update_from_path(from_path(tmp_path))
