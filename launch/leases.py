@@ -12,8 +12,9 @@ not hold, since the dead id and its successor's are both listed.
 So the bridge writes the leases its records hold to a file its supervisor names
 (``LEASES_FILE_ENV``; ``bridge.lease_note``), and the supervisor, when the
 bridge has exited and before it starts the next one, revokes them: etcd deletes
-the records at once. A bridge that ended in order took its records out itself;
-revoking its leases again finds them gone, which is no error.
+the records at once. A bridge that exited 0 ended in order and took its records
+out itself: nothing is revoked. A lease found gone already (expired, or revoked
+by a bridge that failed as it ended) is no error.
 """
 
 from __future__ import annotations
