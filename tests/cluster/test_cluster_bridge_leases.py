@@ -1,7 +1,8 @@
 """A bridge's etcd leases, noted by the bridge (bridge.lease_note) and revoked by
 its supervisor when it exits (launch.leases), in a real etcd: the records go at
-once, a note of leases already gone or of none at all revokes nothing, and a
-file that is not a note is refused with a warning."""
+once; the worker's lease is found from its model card when it has no instance
+record; leases already gone are no error; an orderly exit, a note of none and a
+file that is not a note revoke nothing."""
 
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ async def test_the_supervisor_revokes_what_the_bridge_noted(etcd: Etcd, tmp_path
 async def test_leases_already_gone_are_no_error(
     etcd: Etcd, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A bridge that ended in order revoked its own lease: revoking it again warns
-    of nothing."""
+    """A lease gone already (expired, or revoked by a bridge that failed as it
+    ended): revoking it again warns of nothing."""
     lease = put_under_new_lease(etcd, "v1/instances/ns/backend/generate/1")
     call(etcd, "lease/revoke", {"ID": str(lease)})
     supervisor = LeasesFile(tmp_path)
