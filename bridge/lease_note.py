@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from bridge.admin.instance_alias import EtcdAliasStore
 from bridge.tasks import cancel_and_wait
 from launch.leases import Leases, note_path, write
 from rl_client import etcd_gateway
@@ -26,17 +27,6 @@ log = logging.getLogger(__name__)
 # pool from its start (its engine asleep) has no instance record until it rejoins.
 POLL_S = 0.2
 POLL_MAX_S = 5.0
-ETCD_TIMEOUT_S = 2.0
-
-
-def lease_of(endpoints: list[str], key: str) -> int | None:
-    """The lease ``key``'s record is held by (blocking); None while there is no
-    record, 0 for a record held by none."""
-    answer = etcd_gateway.call(
-        endpoints, "kv/range", {"key": etcd_gateway.b64(key.encode())}, ETCD_TIMEOUT_S
-    )
-    kvs = answer.get("kvs") or []
-    return int(kvs[0].get("lease") or 0) if kvs else None
 
 
 class LeaseNote:
@@ -45,6 +35,7 @@ class LeaseNote:
     def __init__(self, path: Path, endpoints: list[str]) -> None:
         self.path = path
         self.endpoints = endpoints
+        self._store = EtcdAliasStore(endpoints)
         self.ids: list[int] = []
         self._finding: list[asyncio.Task[None]] = []
 
@@ -73,14 +64,15 @@ class LeaseNote:
         while True:
             for key in keys:
                 try:
-                    lease = await asyncio.to_thread(lease_of, self.endpoints, key)
+                    found = await self._store.find(key)
                 except (ConnectionError, ValueError) as e:
                     if str(e) != error:  # said once, not at every poll
                         log.warning("the etcd lease of %s not read (%s): trying again", key, e)
-                    error, lease = str(e), None
-                if lease is not None:
-                    if lease:
-                        self._add(lease)
+                    error, found = str(e), None
+                if found is not None:
+                    _, lease = found  # the record and its lease (none: "0" or absent)
+                    if lease and int(lease):
+                        self._add(int(lease))
                     return
             await asyncio.sleep(pause)
             pause = min(POLL_MAX_S, pause * 2)
