@@ -77,7 +77,8 @@ def revoke(leases: Leases, timeout_s: float = REVOKE_TIMEOUT_S) -> list[int]:
                 leases.endpoints, "lease/revoke", {"ID": str(lease)}, timeout_s
             )
         except ConnectionError as e:
-            if "HTTP Error 404" in str(e):  # expired, or the bridge revoked it as it ended
+            # 404: expired, or the bridge revoked it as it ended.
+            if isinstance(e, etcd_gateway.EtcdRefused) and e.status == 404:
                 log.debug("lease %x was gone already", lease)
                 continue
             log.warning("etcd leases not revoked (%s): they expire with their TTL", e)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,11 +40,21 @@ def clean_endpoints(endpoints: Sequence[str]) -> list[str]:
     return cleaned
 
 
+class EtcdRefused(ConnectionError):
+    """etcd answered with a 4xx status (404: no such lease, say): the cluster's own
+    answer, which every endpoint would give alike, so no other is tried."""
+
+    def __init__(self, path: str, endpoint: str, status: int, reason: str) -> None:
+        super().__init__(f"etcd {path} refused by {endpoint}: HTTP {status} {reason}")
+        self.status = status
+
+
 def call(
     endpoints: Sequence[str], path: str, body: dict[str, Any], timeout_s: float
 ) -> dict[str, Any]:
     """POST ``body`` to ``/v3/<path>`` on the first endpoint that answers;
-    ConnectionError naming every endpoint's failure when none does."""
+    ConnectionError naming every endpoint's failure when none does (``EtcdRefused``
+    when one answered with a 4xx status)."""
     errors = []
     for endpoint in endpoints:
         request = urllib.request.Request(
@@ -60,6 +71,10 @@ def call(
             if not isinstance(answer, dict):
                 raise ValueError(f"answer is a JSON {type(answer).__name__}, not an object")
             return answer
+        except urllib.error.HTTPError as e:
+            if 400 <= e.code < 500:
+                raise EtcdRefused(path, endpoint, e.code, e.reason) from None
+            errors.append(f"{endpoint}: {e}")
         except RecursionError:  # nested deeper than the parser goes: malformed, not a crash
             errors.append(f"{endpoint}: answer nested too deep")
         except (OSError, ValueError) as e:

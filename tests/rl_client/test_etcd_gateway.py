@@ -18,12 +18,19 @@ class Gateway:
     def __init__(self) -> None:
         bodies: list[bytes] = []
         self.bodies = bodies
+        # The status each answer goes with (200 once the queue is empty).
+        statuses: list[int] = []
+        self.statuses = statuses
+        self.posts = 0
+
+        gateway = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
+                gateway.posts += 1
                 body = bodies.pop(0)
-                self.send_response(200)
+                self.send_response(statuses.pop(0) if statuses else 200)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -40,14 +47,17 @@ class Gateway:
         return etcd_gateway.call([self.url], "kv/range", {"key": "eA=="}, timeout_s=5)
 
 
-@pytest.fixture
-def gateway() -> Iterator[Gateway]:
+def serve() -> Iterator[Gateway]:
     g = Gateway()
     try:
         yield g
     finally:
         g.server.shutdown()
         g.server.server_close()
+
+
+gateway = pytest.fixture(serve, name="gateway")
+second_gateway = pytest.fixture(serve, name="second_gateway")
 
 
 def test_an_object_answer_is_returned(gateway: Gateway) -> None:
@@ -73,3 +83,24 @@ def test_an_oversized_answer_is_refused(gateway: Gateway, monkeypatch: pytest.Mo
     monkeypatch.setattr(etcd_gateway, "MAX_ANSWER_BYTES", 100)
     with pytest.raises(ConnectionError, match="over 100 bytes"):
         gateway.call(b'{"kvs": "' + b"x" * 200 + b'"}')
+
+
+def test_a_4xx_is_etcds_answer_and_no_other_endpoint_is_asked(
+    gateway: Gateway, second_gateway: Gateway
+) -> None:
+    gateway.statuses.append(404)
+    gateway.bodies.append(b'{"error": "etcdserver: requested lease not found", "code": 5}')
+    second_gateway.bodies.append(b"{}")
+    with pytest.raises(etcd_gateway.EtcdRefused, match="HTTP 404") as refused:
+        etcd_gateway.call([gateway.url, second_gateway.url], "lease/revoke", {"ID": "1"}, 5)
+    assert refused.value.status == 404
+    assert second_gateway.posts == 0
+
+
+def test_a_5xx_goes_on_to_the_next_endpoint(gateway: Gateway, second_gateway: Gateway) -> None:
+    gateway.statuses.append(503)
+    gateway.bodies.append(b'{"error": "etcdserver: no leader"}')
+    second_gateway.bodies.append(b'{"kvs": []}')
+    answer = etcd_gateway.call([gateway.url, second_gateway.url], "kv/range", {"key": "eA=="}, 5)
+    assert answer == {"kvs": []}
+    assert (gateway.posts, second_gateway.posts) == (1, 1)
